@@ -1,0 +1,42 @@
+# geofed-hpc: `make demo` runs a local federation, `make test` installs everything and runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint format proto clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU build of torch first (pinned), so the project's range never pulls a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/geofed-hpc launch site=local model=tiny run_dir=$(RUN_DIR)
+
+lint: install
+	$(VENV)/bin/ruff check geofed_hpc tests bench
+	$(VENV)/bin/ruff format --check geofed_hpc tests bench
+	$(VENV)/bin/mypy geofed_hpc
+
+test: install lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+format: install
+	$(VENV)/bin/ruff format geofed_hpc tests bench
+	$(VENV)/bin/ruff check --fix geofed_hpc tests bench
+
+# Regenerate the committed gRPC stubs from geofed_hpc/rpc/geofed.proto (a test fails on drift).
+proto: install
+	$(PY) -m grpc_tools.protoc -Igeofed_hpc/rpc=geofed_hpc/rpc --python_out=. --pyi_out=. \
+		--grpc_python_out=. geofed_hpc/rpc/geofed.proto
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,91 @@
+"""Crash-safe file replacement: temp file in the same directory, fsync, os.replace, fsync the directory."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from geofed_hpc.log import logger
+
+TEMP_MARKER = ".tmp-"
+Chunk = bytes | bytearray | memoryview
+
+
+def temp_prefix(path: Path) -> str:
+    """The name prefix of every temp file written on the way to `path` (hidden, recognisable)."""
+    return f".{path.name}{TEMP_MARKER}"
+
+
+def temp_target(path: Path) -> str | None:
+    """The target file name a temp file was written for, or None when `path` is not such a temp file."""
+    name = path.name
+    if not name.startswith(".") or TEMP_MARKER not in name:
+        return None
+    return name[1 : name.rindex(TEMP_MARKER)]
+
+
+def clean_temp_files(directory: Path, match: Callable[[str], bool]) -> list[Path]:
+    """Remove temp files in `directory` left by interrupted writes whose target name satisfies `match`.
+
+    Returns the removed paths. Only call this where no other writer is busy with a matching target.
+    """
+    removed: list[Path] = []
+    try:
+        entries = list(Path(directory).iterdir())
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        target = temp_target(entry)
+        if target is None or not match(target):
+            continue
+        try:
+            entry.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(entry)
+        logger.debug("removed leftover temp file %s", entry)
+    return removed
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: Chunk | Iterable[Chunk]) -> None:
+    """Replace `path` with `data` (bytes, or an iterable of byte chunks) so that a crash leaves old or new.
+
+    Writes to a hidden temp file next to `path`, flushes and fsyncs it, `os.replace`s it over `path` and
+    fsyncs the directory. Temp files left by an earlier crash on the same target are removed first.
+    On an exception the temp file is removed and the previous `path` is untouched.
+    """
+    path = Path(path)
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    clean_temp_files(directory, lambda target: target == path.name)
+    tmp = directory / f"{temp_prefix(path)}{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            chunks: Iterable[Chunk] = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(directory)

@@ -1,0 +1,103 @@
+"""A keep-latest directory of .gft checkpoints, for client checkpoints and parameter-server snapshots."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from geofed_hpc.ckpt.atomic import clean_temp_files
+from geofed_hpc.ckpt.tensorfile import SUFFIX, load_tensors, save_tensors
+from geofed_hpc.errors import CheckpointError, ConfigError
+from geofed_hpc.log import logger
+
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+class CheckpointStore:
+    """`{prefix}-{step:09d}.gft` files in one directory; the newest `keep` are kept. One writer per store."""
+
+    def __init__(self, directory: Path, prefix: str = "ckpt", keep: int = 2) -> None:
+        if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
+            raise ConfigError(
+                f"checkpoint prefix must be letters, digits, '_', '-' or '.' (not leading); got {prefix!r}"
+            )
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ConfigError(f"checkpoint keep must be an int >= 1; got {keep!r}")
+        self.directory = Path(directory)
+        self.prefix = prefix
+        self.keep = keep
+        self._name_re = re.compile(rf"^{re.escape(prefix)}-(\d{{9,}}){re.escape(SUFFIX)}$")
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({str(self.directory)!r}, prefix={self.prefix!r}, keep={self.keep})"
+
+    def path_for(self, step: int) -> Path:
+        """The file a checkpoint of `step` is written to."""
+        return self.directory / f"{self.prefix}-{step:09d}{SUFFIX}"
+
+    def files(self) -> list[tuple[int, Path]]:
+        """(step, path) of every checkpoint file present, oldest first (files are not verified)."""
+        try:
+            entries = list(self.directory.iterdir())
+        except FileNotFoundError:
+            return []
+        found: list[tuple[int, Path]] = []
+        for entry in entries:
+            m = self._name_re.match(entry.name)
+            if m:
+                found.append((int(m.group(1)), entry))
+        return sorted(found)
+
+    def latest_step(self) -> int | None:
+        """Step of the newest checkpoint file present (by name, not verified), or None."""
+        found = self.files()
+        return found[-1][0] if found else None
+
+    def save(self, step: int, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> Path:
+        """Write the checkpoint of `step` atomically, then delete all but the newest `keep`; return its path."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"checkpoint step must be an int >= 0; got {step!r}")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        clean_temp_files(self.directory, lambda target: self._name_re.match(target) is not None)
+        latest = self.latest_step()
+        if latest is not None and step < latest:
+            logger.warning(
+                "saving checkpoint step %d into %s which already holds step %d; the newer file stays the latest",
+                step,
+                self.directory,
+                latest,
+            )
+        path = self.path_for(step)
+        save_tensors(path, tensors, meta)
+        self._prune(path)
+        return path
+
+    def _prune(self, just_saved: Path) -> None:
+        found = [p for _, p in self.files()]
+        others = [p for p in found if p != just_saved]
+        excess = len(others) + (just_saved in found) - self.keep
+        for old in others[: max(excess, 0)]:
+            try:
+                old.unlink()
+            except FileNotFoundError:
+                continue
+            logger.debug("pruned checkpoint %s", old)
+
+    def load_latest(self) -> tuple[dict[str, np.ndarray], dict[str, Any], Path] | None:
+        """(tensors, meta, path) of the newest checkpoint that loads cleanly; corrupt files are skipped with a
+        warning. None when the directory holds no loadable checkpoint."""
+        found = self.files()
+        for _, path in reversed(found):
+            try:
+                tensors, meta = load_tensors(path)
+            except CheckpointError as e:
+                logger.warning("skipping unreadable checkpoint %s, trying an older one: %s", path, e)
+                continue
+            return tensors, meta, path
+        if found:
+            logger.warning("none of the %d checkpoint files in %s could be loaded", len(found), self.directory)
+        return None

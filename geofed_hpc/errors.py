@@ -1,0 +1,67 @@
+"""The one error family of geofed-hpc; each error carries the gRPC status name it maps to."""
+
+from __future__ import annotations
+
+
+class GeofedError(Exception):
+    """Base of every error geofed-hpc raises on purpose; its message is meant for the user."""
+
+    grpc_code = "INTERNAL"
+
+
+class ConfigError(GeofedError):
+    """A configuration value, key or group option is wrong; the message names it."""
+
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class ProtocolError(GeofedError):
+    """A peer sent something the protocol does not allow (bad header, name, shape, version)."""
+
+    grpc_code = "INVALID_ARGUMENT"
+
+
+class CodecError(GeofedError):
+    """Encoded bytes are malformed, truncated or fail their checksum."""
+
+    grpc_code = "DATA_LOSS"
+
+
+class CheckpointError(GeofedError):
+    """A checkpoint or snapshot file is missing, truncated or corrupt."""
+
+
+class AuthError(GeofedError):
+    """A token or session is unknown, used or revoked."""
+
+    grpc_code = "UNAUTHENTICATED"
+
+
+class StaleError(GeofedError):
+    """A delta's base version is too old or unknown; the client should pull again."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+
+class UnavailableError(GeofedError):
+    """The parameter server could not be reached, or a port could not be bound."""
+
+    grpc_code = "UNAVAILABLE"
+
+
+class LaunchError(GeofedError):
+    """Submitting or supervising a site job failed."""
+
+
+_BY_CODE: dict[str, type[GeofedError]] = {
+    "INVALID_ARGUMENT": ProtocolError,
+    "DATA_LOSS": CodecError,
+    "UNAUTHENTICATED": AuthError,
+    "FAILED_PRECONDITION": StaleError,
+    "UNAVAILABLE": UnavailableError,
+}
+
+
+def from_grpc_code(code_name: str, message: str) -> GeofedError:
+    """Rebuild the family member that a gRPC status name stands for (client side)."""
+    return _BY_CODE.get(code_name, GeofedError)(message)

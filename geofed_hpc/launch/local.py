@@ -1,0 +1,89 @@
+"""Submit local sites as submitit LocalExecutor jobs and follow them with a per-sync table."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import submitit
+
+from geofed_hpc.client.job import ClientJob
+from geofed_hpc.config import RunConfig, to_dict
+from geofed_hpc.errors import LaunchError
+from geofed_hpc.launch import progress
+from geofed_hpc.metrics import read_jsonl
+
+POLL_S = 0.5
+
+
+def submit_local_sites(cfg: RunConfig, ps_address: str) -> list[submitit.Job]:
+    """Submit `site.num_sites` ClientJobs, each its own process, through submitit's LocalExecutor."""
+    run_dir = Path(cfg.run_dir).resolve()
+    executor = submitit.LocalExecutor(folder=run_dir / "submitit" / "%j")
+    executor.update_parameters(timeout_min=cfg.site.timeout.total_seconds() / 60)
+    plain = to_dict(cfg)
+    plain["run_dir"] = str(run_dir)
+    return [executor.submit(ClientJob(plain, i, ps_address)) for i in range(cfg.site.num_sites)]
+
+
+@dataclass
+class Follower:
+    """Prints each new sync record of every site once, from the sites' metrics JSONL files."""
+
+    metrics_dir: Path
+    since: float
+    out: TextIO = sys.stdout
+    seen: dict[Path, int] = field(default_factory=dict)
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def poll(self) -> None:
+        for path in sorted(self.metrics_dir.glob("*.metrics.jsonl")):
+            lines = read_jsonl(path)
+            for record in lines[self.seen.get(path, 0) :]:
+                if record.get("time", 0) < self.since:
+                    continue
+                self.records.append(record)
+                if progress.is_sync_record(record):
+                    print(progress.row(record), file=self.out, flush=True)
+            self.seen[path] = len(lines)
+
+
+def follow(jobs: list[submitit.Job], cfg: RunConfig, since: float, out: TextIO = sys.stdout) -> list[dict[str, Any]]:
+    """Print the table until every job ended; raise LaunchError naming a failed site and its log."""
+    follower = Follower(Path(cfg.run_dir) / "metrics", since, out)
+    print(progress.header(), file=out, flush=True)
+    try:
+        while not all(job.done() for job in jobs):
+            follower.poll()
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        for job in jobs:
+            job.cancel(check=False)
+        raise
+    follower.poll()
+    results = []
+    for job in jobs:
+        try:
+            results.append(job.result())
+        except Exception as exc:  # noqa: BLE001 - submitit wraps the job's own error
+            last = [line for line in str(exc).strip().splitlines() if line.strip()]
+            raise LaunchError(
+                f"site job {job.job_id} failed: {last[-1] if last else exc}; full log: {job.paths.stderr}"
+            ) from None
+    print(progress.summary(follower.records), file=out, flush=True)
+    return results
+
+
+def launch_local(cfg: RunConfig, ps_address: str, out: TextIO = sys.stdout) -> list[dict[str, Any]]:
+    since = time.time()
+    jobs = submit_local_sites(cfg, ps_address)
+    print(
+        f"submitted {len(jobs)} local sites (jobs {', '.join(j.job_id for j in jobs)}); "
+        f"logs in {Path(cfg.run_dir).resolve() / 'submitit'}",
+        file=out,
+        flush=True,
+    )
+    return follow(jobs, cfg, since, out)

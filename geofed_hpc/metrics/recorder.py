@@ -1,0 +1,188 @@
+"""One metrics recorder: the same metric names into a JSONL file and W&B (offline on compute nodes)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from geofed_hpc.errors import ConfigError
+from geofed_hpc.log import logger
+
+# The one list of metric names; the client, the parameter server and the dashboards use exactly these.
+METRIC_HELP: dict[str, str] = {
+    "train/loss": "training loss, mean over the steps since the previous log line",
+    "train/tokens": "tokens this process has trained on since the run began (cumulative)",
+    "train/tokens_per_s": "training throughput since the previous log line, tokens per second",
+    "val/loss": "validation loss of the current (local or global) model",
+    "sync/bytes_sent": "bytes of encoded delta pushed in this sync (PS: received)",
+    "sync/compression_ratio": "raw delta bytes divided by the encoded bytes sent",
+    "sync/version": "global model version after this sync (PS: the current global version)",
+    "sync/push_seconds": "wall-clock seconds to push this delta",
+    "sync/pull_seconds": "wall-clock seconds to pull the global model or its updates",
+    "sync/local_steps": "local optimizer steps taken since the previous sync",
+    "sync/staleness": "global versions between the delta's base and the version it was applied to",
+}
+METRIC_NAMES: tuple[str, ...] = tuple(METRIC_HELP)
+
+WANDB_MODES: tuple[str, ...] = ("offline", "online", "disabled")
+RESERVED_KEYS: tuple[str, ...] = ("time", "name", "step")
+ONLINE_INIT_TIMEOUT_S = 60.0
+
+
+def _coerce(key: str, value: Any) -> float | int | str:
+    if isinstance(value, (str, int, float)):
+        return value
+    item = getattr(value, "item", None)  # numpy / torch scalars
+    if callable(item):
+        out = item()
+        if isinstance(out, (str, int, float)):
+            return out
+    raise TypeError(f"metric {key!r} must be a float, int or str; got {type(value).__name__}")
+
+
+class Recorder:
+    """Feed one set of metric names to `run_dir/{name}.metrics.jsonl` and to a new W&B run (one per Recorder)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        name: str,
+        *,
+        job_type: str,
+        group: str,
+        wandb_mode: str = "offline",
+        config: Mapping[str, Any] | None = None,
+        project: str = "geofed-hpc",
+    ) -> None:
+        if wandb_mode not in WANDB_MODES:
+            raise ConfigError(f"wandb_mode must be one of {', '.join(WANDB_MODES)}; got {wandb_mode!r}")
+        if not name or "/" in name:
+            raise ConfigError(f"recorder name must be a non-empty file-name-safe string; got {name!r}")
+        self.run_dir = Path(run_dir)
+        self.name = name
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = self.run_dir / f"{name}.metrics.jsonl"
+        self._file = open(self.jsonl_path, "a+b")
+        if self._file.tell() > 0:  # a previous segment died mid-line: end that line so ours stay parseable
+            self._file.seek(-1, 2)
+            if self._file.read(1) != b"\n":
+                self._file.write(b"\n")
+                self._file.flush()
+        self._closed = False
+        self.wandb_mode = wandb_mode
+        self.wandb_run: Any = None
+        if wandb_mode != "disabled":
+            try:
+                self.wandb_run = self._init_wandb(wandb_mode, job_type, group, config, project)
+            except BaseException:
+                self._file.close()
+                raise
+
+    def _init_wandb(self, mode: str, job_type: str, group: str, config: Mapping[str, Any] | None, project: str) -> Any:
+        import wandb
+
+        def init(m: str) -> Any:
+            settings = wandb.Settings(
+                console="off",
+                silent=True,
+                quiet=True,
+                disable_git=True,
+                save_code=False,
+                disable_job_creation=True,
+                init_timeout=ONLINE_INIT_TIMEOUT_S if m == "online" else 90.0,
+            )
+            return wandb.init(
+                mode=m,  # type: ignore[arg-type]
+                dir=str(self.run_dir),
+                project=project,
+                group=group,
+                job_type=job_type,
+                name=self.name,
+                config=dict(config) if config is not None else None,
+                reinit="create_new",
+                settings=settings,
+            )
+
+        if mode == "online":
+            try:
+                return init("online")
+            except Exception as e:  # no network or no API key: keep the metrics for a later `wandb sync`
+                logger.warning(
+                    "W&B online init failed for %s (%s); logging offline under %s/wandb instead, "
+                    "upload later with `wandb sync`",
+                    self.name,
+                    str(e).splitlines()[0] if str(e) else type(e).__name__,
+                    self.run_dir,
+                )
+                self.wandb_mode = "offline"
+        return init("offline")
+
+    def log(self, metrics: Mapping[str, float | int | str], step: int | None = None) -> None:
+        """Append one JSON line (flushed) and send the numeric values to W&B."""
+        if self._closed:
+            raise ValueError(f"recorder {self.name!r} is closed")
+        record: dict[str, Any] = {"time": time.time(), "name": self.name}
+        if step is not None:
+            record["step"] = int(step)
+        numeric: dict[str, float | int] = {}
+        for key, value in metrics.items():
+            if key in RESERVED_KEYS:
+                raise ValueError(f"metric name {key!r} is reserved for the recorder; rename it")
+            v = _coerce(key, value)
+            record[key] = v
+            if not isinstance(v, str):
+                numeric[key] = v
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        self._file.write(line.encode("utf-8"))
+        self._file.flush()
+        if self.wandb_run is not None and numeric:
+            self.wandb_run.log(numeric, step=None if step is None else int(step))
+
+    def close(self) -> None:
+        """Finish the W&B run and close the JSONL file; calling it again does nothing."""
+        self._close(exit_code=0)
+
+    def _close(self, exit_code: int) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.wandb_run is not None:
+                self.wandb_run.finish(exit_code=exit_code)
+        finally:
+            self._file.close()
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._close(exit_code=0 if exc_type is None else 1)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Read a metrics JSONL file; a torn line (a crash mid-write) is skipped, with a warning unless it is last."""
+    path = Path(path)
+    lines = path.read_bytes().split(b"\n")
+    records: list[dict[str, Any]] = []
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            obj = None
+        if not isinstance(obj, dict):
+            if i == last:
+                logger.debug("skipping partially written last line of %s", path)
+            else:
+                logger.warning("skipping unreadable line %d of %s", i + 1, path)
+            continue
+        records.append(obj)
+    return records

@@ -1,0 +1,57 @@
+"""Channel and server options (message limits, keepalive) and TLS credentials."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from geofed_hpc.config import PSConfig
+from geofed_hpc.errors import ConfigError
+
+# Clients ping every 30 s, below the 60-350 s idle timeouts of common NATs and firewalls; the server
+# accepts pings that often so it never answers with GOAWAY "too_many_pings".
+CLIENT_KEEPALIVE_MS = 30_000
+SERVER_MIN_PING_INTERVAL_MS = 10_000
+
+
+def client_options(cfg: PSConfig) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", cfg.max_message_bytes),
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        ("grpc.keepalive_time_ms", CLIENT_KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.enable_http_proxy", 1),  # honour https_proxy / grpc_proxy on compute nodes
+    ]
+
+
+def server_options(cfg: PSConfig) -> list[tuple[str, Any]]:
+    return [
+        ("grpc.max_send_message_length", cfg.max_message_bytes),
+        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS),
+        ("grpc.http2.min_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.so_reuseport", 0),  # a port already in use must fail, not be shared silently
+    ]
+
+
+def _read(path: str, field: str) -> bytes:
+    if not path:
+        raise ConfigError(f"{field}: TLS needs this file; set it, or ps.insecure=true for a plaintext local demo")
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{field}: file {p} does not exist")
+    return p.read_bytes()
+
+
+def server_credentials(cfg: PSConfig) -> grpc.ServerCredentials:
+    return grpc.ssl_server_credentials([(_read(cfg.key_file, "ps.key_file"), _read(cfg.cert_file, "ps.cert_file"))])
+
+
+def channel_credentials(cfg: PSConfig) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(root_certificates=_read(cfg.ca_file, "ps.ca_file"))

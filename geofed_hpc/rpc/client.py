@@ -1,0 +1,143 @@
+"""The site's side of geofed.v1: dial out, call with retries, stream payloads in and out."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import grpc
+
+from geofed_hpc.config import PSConfig
+from geofed_hpc.errors import GeofedError, UnavailableError, from_grpc_code
+from geofed_hpc.log import logger
+from geofed_hpc.rpc import messages as m
+from geofed_hpc.rpc import serde
+from geofed_hpc.rpc.channel import channel_credentials, client_options
+from geofed_hpc.rpc.stream import collect, digest, to_chunks
+
+T = TypeVar("T")
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class PSClient:
+    """A connection to one parameter server; every call returns rpc.messages dataclasses."""
+
+    def __init__(self, cfg: PSConfig, address: str | None = None) -> None:
+        self.cfg = cfg
+        self.address = address or cfg.dial_address()
+        if cfg.insecure:
+            self._channel = grpc.insecure_channel(self.address, options=client_options(cfg))
+        else:
+            self._channel = grpc.secure_channel(self.address, channel_credentials(cfg), options=client_options(cfg))
+        self._calls: dict[str, Any] = {}
+        for meth in serde.METHODS:
+            kind = (
+                self._channel.stream_unary
+                if meth.client_streaming
+                else self._channel.unary_stream
+                if meth.server_streaming
+                else self._channel.unary_unary
+            )
+            self._calls[meth.name] = kind(
+                meth.path,
+                request_serializer=serde.serializer(meth.request),
+                response_deserializer=serde.deserializer(meth.reply),
+            )
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def connect(self, timeout: timedelta | None = None) -> None:
+        """Wait until the server answers, retrying with backoff; raise UnavailableError naming the address."""
+        timeout = timeout or self.cfg.connect_timeout
+        deadline = time.monotonic() + timeout.total_seconds()
+        wait, attempt = 0.5, 0
+        while True:
+            attempt += 1
+            try:
+                grpc.channel_ready_future(self._channel).result(timeout=min(wait * 4, 10.0))
+                return
+            except grpc.FutureTimeoutError:
+                pass
+            if time.monotonic() >= deadline:
+                raise UnavailableError(self._unreachable(timeout, attempt))
+            logger.info("parameter server %s not answering yet (attempt %d); retrying", self.address, attempt)
+            time.sleep(min(wait, max(0.0, deadline - time.monotonic())))
+            wait = min(wait * 2, 8.0)
+
+    def _unreachable(self, timeout: timedelta, attempts: int) -> str:
+        return (
+            f"cannot reach the parameter server at {self.address} after {timeout.total_seconds():g}s "
+            f"({attempts} attempts): check that `geofed-hpc ps up` is running there, that the port is open "
+            f"to this host (firewall, proxy), that ps.address is right, and that ps.insecure matches the server"
+        )
+
+    def _call(self, name: str, fn: Callable[[], T], retries: int = 3) -> T:
+        wait = 0.5
+        for attempt in range(retries + 1):
+            try:
+                return fn()
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code in _RETRYABLE and attempt < retries:
+                    logger.warning(
+                        "%s to %s failed (%s); retry %d in %.1fs", name, self.address, code.name, attempt + 1, wait
+                    )
+                    time.sleep(wait)
+                    wait = min(wait * 2, 8.0)
+                    continue
+                raise self._error(name, exc) from None
+        raise AssertionError("unreachable")
+
+    def _error(self, name: str, exc: grpc.RpcError) -> GeofedError:
+        code, details = exc.code(), exc.details() or ""
+        if code in _RETRYABLE:
+            return UnavailableError(f"{name} to the parameter server at {self.address} failed: {code.name} {details}")
+        return from_grpc_code(code.name, f"{name} refused by the parameter server: {details}")
+
+    def _timeout(self) -> float:
+        return self.cfg.rpc_timeout.total_seconds()
+
+    def join(self, request: m.JoinRequest) -> m.JoinReply:
+        return self._call("Join", lambda: self._calls["Join"](request, timeout=self._timeout()))
+
+    def heartbeat(self, request: m.HeartbeatRequest) -> m.HeartbeatReply:
+        return self._call("Heartbeat", lambda: self._calls["Heartbeat"](request, timeout=self._timeout()))
+
+    def status(self) -> m.StatusReply:
+        return self._call("Status", lambda: self._calls["Status"](m.StatusRequest(), timeout=self._timeout()))
+
+    def pull_model(
+        self, session_id: str, min_version: int = 0, wait: timedelta = timedelta(0)
+    ) -> tuple[m.ModelHeader, bytes]:
+        """Stream the global model at a version >= min_version (waiting up to `wait` for it)."""
+        request = m.ModelRequest(session_id=session_id, min_version=min_version, wait_s=wait.total_seconds())
+        timeout = self._timeout() + wait.total_seconds()
+
+        def pull() -> tuple[m.ModelHeader, bytes]:
+            header, payload = collect(self._calls["StreamModel"](request, timeout=timeout), self.cfg.max_delta_bytes)
+            assert isinstance(header, m.ModelHeader)
+            return header, payload
+
+        return self._call("StreamModel", pull)
+
+    def push_delta(self, header: m.PushHeader, payload: bytes) -> m.PushReply:
+        """Stream one payload; a retry resends the same push_id so it is never applied twice."""
+        header.total_bytes = len(payload)
+        header.sha256 = digest(payload)
+        header.push_id = header.push_id or uuid.uuid4().hex
+
+        def push() -> m.PushReply:
+            chunks: Iterator[m.Chunk] = to_chunks(header, payload, self.cfg.chunk_bytes)
+            return self._calls["PushDelta"](chunks, timeout=self._timeout())
+
+        return self._call("PushDelta", push)

@@ -1,0 +1,179 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RunSettings(_message.Message):
+    __slots__ = ("codec", "sync_interval_s", "max_local_steps", "paradigm", "aggregation", "block_size")
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    SYNC_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PARADIGM_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    codec: str
+    sync_interval_s: float
+    max_local_steps: int
+    paradigm: str
+    aggregation: str
+    block_size: int
+    def __init__(self, codec: _Optional[str] = ..., sync_interval_s: _Optional[float] = ..., max_local_steps: _Optional[int] = ..., paradigm: _Optional[str] = ..., aggregation: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("site", "token", "client_version", "resume_session")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESUME_SESSION_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    token: str
+    client_version: str
+    resume_session: str
+    def __init__(self, site: _Optional[str] = ..., token: _Optional[str] = ..., client_version: _Optional[str] = ..., resume_session: _Optional[str] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("session_id", "rejoin_token", "version", "initialized", "settings")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REJOIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    rejoin_token: str
+    version: int
+    initialized: bool
+    settings: RunSettings
+    def __init__(self, session_id: _Optional[str] = ..., rejoin_token: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., settings: _Optional[_Union[RunSettings, _Mapping]] = ...) -> None: ...
+
+class ModelRequest(_message.Message):
+    __slots__ = ("session_id", "min_version", "wait_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    min_version: int
+    wait_s: float
+    def __init__(self, session_id: _Optional[str] = ..., min_version: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+
+class ModelHeader(_message.Message):
+    __slots__ = ("version", "codec", "total_bytes", "sha256")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    codec: str
+    total_bytes: int
+    sha256: bytes
+    def __init__(self, version: _Optional[int] = ..., codec: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("session_id", "base_version", "local_steps", "tokens", "codec", "total_bytes", "sha256", "push_id", "init", "train_loss")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    INIT_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    base_version: int
+    local_steps: int
+    tokens: int
+    codec: str
+    total_bytes: int
+    sha256: bytes
+    push_id: str
+    init: bool
+    train_loss: float
+    def __init__(self, session_id: _Optional[str] = ..., base_version: _Optional[int] = ..., local_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ..., push_id: _Optional[str] = ..., init: _Optional[bool] = ..., train_loss: _Optional[float] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("model", "push", "data")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    model: ModelHeader
+    push: PushHeader
+    data: bytes
+    def __init__(self, model: _Optional[_Union[ModelHeader, _Mapping]] = ..., push: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("accepted", "version", "reason", "staleness", "duplicate")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    version: int
+    reason: str
+    staleness: int
+    duplicate: bool
+    def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., staleness: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("session_id", "version", "local_steps", "leaving")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    version: int
+    local_steps: int
+    leaving: bool
+    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[int] = ..., local_steps: _Optional[int] = ..., leaving: _Optional[bool] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("version", "sync_now")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SYNC_NOW_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    sync_now: bool
+    def __init__(self, version: _Optional[int] = ..., sync_now: _Optional[bool] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SiteStatus(_message.Message):
+    __slots__ = ("site", "session_id", "pushes", "last_base_version", "last_seen_s", "tokens", "last_train_loss")
+    SITE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    LAST_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    site: str
+    session_id: str
+    pushes: int
+    last_base_version: int
+    last_seen_s: float
+    tokens: int
+    last_train_loss: float
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., pushes: _Optional[int] = ..., last_base_version: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., tokens: _Optional[int] = ..., last_train_loss: _Optional[float] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("version", "initialized", "aggregation", "num_params", "uptime_s", "sites", "pending_deltas")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    AGGREGATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    SITES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    initialized: bool
+    aggregation: str
+    num_params: int
+    uptime_s: float
+    sites: _containers.RepeatedCompositeFieldContainer[SiteStatus]
+    pending_deltas: int
+    def __init__(self, version: _Optional[int] = ..., initialized: _Optional[bool] = ..., aggregation: _Optional[str] = ..., num_params: _Optional[int] = ..., uptime_s: _Optional[float] = ..., sites: _Optional[_Iterable[_Union[SiteStatus, _Mapping]]] = ..., pending_deltas: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,120 @@
+"""Plain dataclasses for every geofed.v1 message; the rest of the package speaks only these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RunSettings:
+    codec: str = "int8"
+    sync_interval_s: float = 30.0
+    max_local_steps: int = 0
+    paradigm: str = "pretrain"
+    aggregation: str = "sync"
+    block_size: int = 1 << 16
+
+
+@dataclass
+class JoinRequest:
+    site: str
+    token: str = ""
+    client_version: str = ""
+    resume_session: str = ""
+
+
+@dataclass
+class JoinReply:
+    session_id: str
+    rejoin_token: str
+    version: int
+    initialized: bool
+    settings: RunSettings = field(default_factory=RunSettings)
+
+
+@dataclass
+class ModelRequest:
+    session_id: str
+    min_version: int = 0
+    wait_s: float = 0.0
+
+
+@dataclass
+class ModelHeader:
+    version: int
+    codec: str
+    total_bytes: int
+    sha256: bytes
+
+
+@dataclass
+class PushHeader:
+    session_id: str
+    base_version: int
+    local_steps: int
+    tokens: int
+    codec: str
+    total_bytes: int
+    sha256: bytes
+    push_id: str
+    init: bool = False
+    train_loss: float = 0.0
+
+
+@dataclass
+class Chunk:
+    """One streamed piece; the first of a stream carries exactly one header."""
+
+    data: bytes = b""
+    model: ModelHeader | None = None
+    push: PushHeader | None = None
+
+
+@dataclass
+class PushReply:
+    accepted: bool
+    version: int
+    reason: str = ""
+    staleness: int = 0
+    duplicate: bool = False
+
+
+@dataclass
+class HeartbeatRequest:
+    session_id: str
+    version: int = 0
+    local_steps: int = 0
+    leaving: bool = False
+
+
+@dataclass
+class HeartbeatReply:
+    version: int
+    sync_now: bool = False
+
+
+@dataclass
+class StatusRequest:
+    pass
+
+
+@dataclass
+class SiteStatus:
+    site: str
+    session_id: str
+    pushes: int = 0
+    last_base_version: int = 0
+    last_seen_s: float = 0.0
+    tokens: int = 0
+    last_train_loss: float = 0.0
+
+
+@dataclass
+class StatusReply:
+    version: int
+    initialized: bool
+    aggregation: str
+    num_params: int = 0
+    uptime_s: float = 0.0
+    sites: list[SiteStatus] = field(default_factory=list)
+    pending_deltas: int = 0

@@ -1,0 +1,109 @@
+"""Serve any handler object over gRPC: method routing, error-to-status mapping, port binding."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any, Protocol
+
+import grpc
+
+from geofed_hpc.config import PSConfig
+from geofed_hpc.errors import GeofedError, UnavailableError
+from geofed_hpc.log import logger
+from geofed_hpc.rpc import messages as m
+from geofed_hpc.rpc import serde
+from geofed_hpc.rpc.channel import server_credentials, server_options
+
+
+class Handler(Protocol):
+    """What a parameter server implements; it sees only dataclasses from rpc.messages."""
+
+    def join(self, request: m.JoinRequest) -> m.JoinReply: ...
+    def stream_model(self, request: m.ModelRequest) -> Iterator[m.Chunk]: ...
+    def push_delta(self, chunks: Iterator[m.Chunk]) -> m.PushReply: ...
+    def heartbeat(self, request: m.HeartbeatRequest) -> m.HeartbeatReply: ...
+    def status(self, request: m.StatusRequest) -> m.StatusReply: ...
+
+
+def snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def _abort(context: grpc.ServicerContext, method: str, exc: BaseException) -> None:
+    if isinstance(exc, GeofedError):
+        logger.warning("%s refused: %s", method, exc)
+        context.abort(getattr(grpc.StatusCode, exc.grpc_code), str(exc))
+    logger.exception("%s failed with an unexpected error", method)
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
+
+
+def _unary(method: str, fn: Callable[[Any], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(request)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status, never a crash
+            _abort(context, method, exc)
+
+    return call
+
+
+def _server_stream(method: str, fn: Callable[[Any], Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+    def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from fn(request)
+        except Exception as exc:  # noqa: BLE001
+            _abort(context, method, exc)
+
+    return call
+
+
+def _client_stream(method: str, fn: Callable[[Iterator[Any]], Any]) -> Callable[..., Any]:
+    def call(request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(request_iterator)
+        except grpc.RpcError as exc:  # the client went away mid-stream
+            _abort(context, method, UnavailableError(f"stream broken by the client: {exc}"))
+        except Exception as exc:  # noqa: BLE001
+            _abort(context, method, exc)
+
+    return call
+
+
+def generic_handler(handler: Handler) -> grpc.GenericRpcHandler:
+    """Route every geofed.v1 method to `handler`, (de)serialising through rpc.serde."""
+    table = {}
+    for meth in serde.METHODS:
+        fn = getattr(handler, snake(meth.name))
+        des, ser = serde.deserializer(meth.request), serde.serializer(meth.reply)
+        if meth.client_streaming:
+            table[meth.name] = grpc.stream_unary_rpc_method_handler(_client_stream(meth.name, fn), des, ser)
+        elif meth.server_streaming:
+            table[meth.name] = grpc.unary_stream_rpc_method_handler(_server_stream(meth.name, fn), des, ser)
+        else:
+            table[meth.name] = grpc.unary_unary_rpc_method_handler(_unary(meth.name, fn), des, ser)
+    return grpc.method_handlers_generic_handler(serde.SERVICE, table)
+
+
+def start_server(handler: Handler, cfg: PSConfig, max_workers: int = 32) -> tuple[grpc.Server, int]:
+    """Bind host:port (0 picks a free port), start serving, and return the server and its port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=server_options(cfg))
+    server.add_generic_rpc_handlers((generic_handler(handler),))
+    where = f"{cfg.host}:{cfg.port}"
+    try:
+        if cfg.insecure:
+            port = server.add_insecure_port(where)
+        else:
+            port = server.add_secure_port(where, server_credentials(cfg))
+    except RuntimeError as exc:
+        port = 0
+        logger.debug("bind %s failed: %s", where, exc)
+    if port == 0:
+        raise UnavailableError(
+            f"cannot listen on {where}: the port is in use or the address is not local; "
+            "stop the other process or choose another port with ps.port=..."
+        )
+    server.start()
+    logger.info("parameter server listening on %s:%d (%s)", cfg.host, port, "plaintext" if cfg.insecure else "TLS")
+    return server, port

@@ -1,0 +1,39 @@
+"""Shared fixtures: small configs, tiny parameter sets, a live gRPC parameter server on port 0."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from geofed_hpc.config import PSConfig, RunConfig
+
+
+def small_params(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "wte.weight": rng.normal(size=(500, 8)).astype(np.float32),
+        "blocks.0.w": rng.normal(size=(8, 8)).astype(np.float32),
+        "ln.bias": np.zeros(8, dtype=np.float32),
+    }
+
+
+def ps_config(**overrides: Any) -> PSConfig:
+    base = {"host": "127.0.0.1", "port": 0, "insecure": True, "chunk_bytes": 4096, "round_timeout": "5s"}
+    base.update(overrides)
+    return PSConfig(**base)
+
+
+@pytest.fixture
+def live_ps(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A real ParameterServer on a free loopback port; parametrize indirectly with PSConfig overrides."""
+    from geofed_hpc.ps.app import ParameterServer
+
+    overrides = getattr(request, "param", {})
+    cfg = replace(RunConfig(), ps=ps_config(**overrides))
+    server = ParameterServer(cfg)
+    yield server
+    server.stop()
