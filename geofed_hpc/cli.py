@@ -28,7 +28,11 @@ COMMANDS = {
     "launch": "submit this site's training jobs (site=local runs sites here, with an embedded PS)",
     "ps up": "run the parameter server in the foreground until Ctrl-C / SIGTERM",
     "status": "show the federation as the parameter server sees it",
+    "report": "write RUN_DIR/report.png (loss curves) and print a summary: report RUN_DIR",
+    "wandb sync": "upload a run directory's offline W&B runs (from a login node): wandb sync RUN_DIR",
 }
+# Commands whose first plain word (no '=') is the run directory.
+RUN_DIR_ARG = ("report", "wandb sync")
 EXAMPLES = """examples:
   geofed-hpc launch site=local model=tiny             # local federation: PS + 2 sites on this machine
   geofed-hpc launch train.max_syncs=3 site.num_sites=3
@@ -102,7 +106,7 @@ def compose_config(overrides: list[str]) -> tuple[RunConfig, str]:
 
 def _help_text() -> str:
     lines = ["usage: geofed-hpc COMMAND [key=value ...] [+key=value] [~key] [--cfg] [-q|-v]", "", "commands:"]
-    lines += [f"  {name:<10} {text}" for name, text in COMMANDS.items()]
+    lines += [f"  {name:<12} {text}" for name, text in COMMANDS.items()]
     lines += ["", "config groups (choose one option each, e.g. site=local):"]
     lines += [f"  {group:<8} {', '.join(opts)}" for group, opts in config_groups().items()]
     lines += ["", "any value can be set with dotted keys: ps.port=50051 train.sync_interval=5m codec.block_size=4096"]
@@ -122,10 +126,15 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _split(words: list[str]) -> tuple[str, list[str]]:
-    if words[:2] == ["ps", "up"]:
-        return "ps up", words[2:]
-    if words and words[0] in COMMANDS:
-        return words[0], words[1:]
+    command, rest = "", words[1:]
+    if " ".join(words[:2]) in COMMANDS:
+        command, rest = " ".join(words[:2]), words[2:]
+    elif words and words[0] in COMMANDS:
+        command = words[0]
+    if command:
+        if command in RUN_DIR_ARG and rest and "=" not in rest[0] and not rest[0].startswith("~"):
+            rest = [f"run_dir={rest[0]}", *rest[1:]]
+        return command, rest
     raise ConfigError(f"unknown command {' '.join(words[:2])!r}; commands: {', '.join(COMMANDS)} (see --help)")
 
 
@@ -188,7 +197,28 @@ def cmd_status(cfg: RunConfig) -> int:
     return 0
 
 
-HANDLERS = {"launch": cmd_launch, "ps up": cmd_ps_up, "status": cmd_status}
+def cmd_report(cfg: RunConfig) -> int:
+    from geofed_hpc.metrics.report import write_report
+
+    path, text = write_report(Path(cfg.run_dir).expanduser())
+    print(text)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_wandb_sync(cfg: RunConfig) -> int:
+    from geofed_hpc.metrics.wandb_sync import sync_offline_runs
+
+    return sync_offline_runs(Path(cfg.run_dir).expanduser())
+
+
+HANDLERS = {
+    "launch": cmd_launch,
+    "ps up": cmd_ps_up,
+    "status": cmd_status,
+    "report": cmd_report,
+    "wandb sync": cmd_wandb_sync,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,8 @@ def test_help_lists_commands_groups_and_options(tmp_path: Path) -> None:
         (["launch", "model=tinyy"], "unknown model option 'tinyy'; valid choices: tiny"),
         (["lunch"], "unknown command 'lunch'"),
         (["status", "ps.port=x"], "ps.port: expected an integer"),
+        (["report", "/nonexistent/run"], "no metrics in /nonexistent/run/metrics"),
+        (["wandb", "sync", "/nonexistent/run"], "no offline W&B runs under /nonexistent/run"),
     ],
 )
 def test_errors_are_one_line_and_nonzero(args: list[str], message: str, tmp_path: Path) -> None:

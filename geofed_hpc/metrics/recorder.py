@@ -14,18 +14,43 @@ from geofed_hpc.log import logger
 
 # The one list of metric names; the client, the parameter server and the dashboards use exactly these.
 METRIC_HELP: dict[str, str] = {
+    # training, per site
     "train/loss": "training loss, mean over the steps since the previous log line",
     "train/tokens": "tokens this process has trained on since the run began (cumulative)",
     "train/tokens_per_s": "training throughput since the previous log line, tokens per second",
-    "val/loss": "validation loss of the current (local or global) model",
-    "sync/bytes_sent": "bytes of encoded delta pushed in this sync (PS: received)",
-    "sync/compression_ratio": "raw delta bytes divided by the encoded bytes sent",
+    "val/loss": "validation loss of the global model this site just pulled",
+    "sys/rss_gb": "resident memory of the site's rank-0 process, GB",
+    "sys/gpu_util": "GPU utilisation of the site's rank-0 device, percent (GPU sites only)",
+    "sys/gpu_mem_gb": "peak GPU memory allocated on the site's rank-0 device, GB (GPU sites only)",
+    # one sync, per site
+    "sync/index": "how many syncs this site has completed",
     "sync/version": "global model version after this sync (PS: the current global version)",
-    "sync/push_seconds": "wall-clock seconds to push this delta",
-    "sync/pull_seconds": "wall-clock seconds to pull the global model or its updates",
     "sync/local_steps": "local optimizer steps taken since the previous sync",
     "sync/staleness": "global versions between the delta's base and the version it was applied to",
+    "sync/bytes_sent": "bytes of encoded delta pushed in this sync (PS: received)",
+    "sync/bytes_received": "bytes of global model or updates pulled in this sync",
+    "sync/compression_ratio": "raw delta bytes divided by the encoded bytes sent",
+    "sync/encode_seconds": "seconds spent quantizing and entropy-coding the delta",
+    "sync/push_seconds": "wall-clock seconds to push this delta",
+    "sync/pull_seconds": "wall-clock seconds to pull the global model or its updates, waiting included",
+    "sync/idle_seconds": "seconds this site waited for the round to close (neither training nor transferring)",
+    "sync/comm_overhead": "share of this sync's wall-clock spent encoding, pushing, waiting and pulling",
+    "net/rtt_ms": "latest round-trip time to the parameter server (Heartbeat), milliseconds",
+    "net/rtt_avg_ms": "mean round-trip time to the parameter server over this run segment, milliseconds",
+    "net/send_mbps": "push throughput of this sync, megabits per second",
+    "net/recv_mbps": "pull throughput of this sync, megabits per second",
+    "site/contribution_tokens": "tokens behind this site's latest accepted delta",
+    "site/contribution_total": "tokens behind all of this site's accepted deltas (cumulative)",
+    "job/preemptions": "times this site's job was preempted or timed out and requeued",
+    "resume/seconds": "seconds from job start until ready to train (model, optimizer and sampler restored)",
+    # the parameter server
+    "ps/version": "global model version",
+    "ps/active_sites": "sites seen within the liveness window",
+    "ps/global_val_loss": "validation loss of the global model, as evaluated by the sites that pulled it",
+    "ps/pushes_total": "deltas applied since the PS started",
+    "ps/bytes_received_total": "encoded delta bytes received since the PS started",
 }
+# String-valued entries (JSONL only): "resume/source" is local | global | fresh.
 METRIC_NAMES: tuple[str, ...] = tuple(METRIC_HELP)
 
 WANDB_MODES: tuple[str, ...] = ("offline", "online", "disabled")
