@@ -26,8 +26,20 @@ lint: install
 	$(VENV)/bin/ruff format --check geofed_hpc tests bench
 	$(VENV)/bin/mypy geofed_hpc
 
+# As root, tests marked `slurm` run against slurm/'s single-node cluster: started here unless it is up already,
+# and then stopped again, also when tests fail or are interrupted. Other users' runs skip them, saying why.
+SLURM_DIR := $(or $(GEOFED_SLURM_DIR),.slurm)
 test: install lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@started=0; \
+	if [ "$$(id -u)" = 0 ]; then \
+	  if ! slurm/status.sh >/dev/null 2>&1; then \
+	    slurm/start.sh || exit 1; started=1; trap 'slurm/stop.sh; exit 130' INT TERM; \
+	  fi; \
+	  . $(SLURM_DIR)/run/env.sh; \
+	fi; \
+	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$started = 1 ]; then slurm/stop.sh; fi; \
+	exit $$rc
 
 format: install
 	$(VENV)/bin/ruff format geofed_hpc tests bench

@@ -8,6 +8,7 @@ import sys
 import time
 import typing
 from dataclasses import replace
+from datetime import timedelta
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -25,19 +26,33 @@ from geofed_hpc.errors import ConfigError, GeofedError
 from geofed_hpc.log import logger, setup_logging
 
 COMMANDS = {
-    "launch": "submit this site's training jobs (site=local runs sites here, with an embedded PS)",
-    "ps up": "run the parameter server in the foreground until Ctrl-C / SIGTERM",
-    "status": "show the federation as the parameter server sees it",
+    "launch": "submit this site's training jobs (site=local runs sites here, with an embedded PS; "
+    "a Slurm site submits one job per site, --dry-run prints their sbatch files)",
+    "ps up": "run the parameter server until Ctrl-C / SIGTERM (--init-from CKPT: seed its model from CKPT)",
+    "ps init": "create the TLS CA and PS certificate (ps.tls_names=[vm.example.org,1.2.3.4], "
+    "ps.tls_sites=[osc] for mutual TLS); never overwrites keys unless ps.tls_overwrite=true",
+    "status": "show the site jobs (from Slurm) and the federation as the parameter server sees it",
+    "cancel": "cancel this site's Slurm jobs (each checkpoints first and is not requeued)",
+    "logs": "print the end of this site's job logs (--follow: keep printing until the jobs end)",
     "report": "write RUN_DIR/report.png (loss curves) and print a summary: report RUN_DIR",
     "wandb sync": "upload a run directory's offline W&B runs (from a login node): wandb sync RUN_DIR",
+    "data prepare": "tokenize data.source into site.num_sites token shards + a validation shard under RUN_DIR/data",
 }
+# Switches of this invocation that only some commands read (main sets them).
+OPTIONS = argparse.Namespace(dry_run=False, follow=False, init_from="")
 # Commands whose first plain word (no '=') is the run directory.
 RUN_DIR_ARG = ("report", "wandb sync")
+PS_PROBE_TIMEOUT = timedelta(seconds=5)
 EXAMPLES = """examples:
   geofed-hpc launch site=local model=tiny             # local federation: PS + 2 sites on this machine
   geofed-hpc launch train.max_syncs=3 site.num_sites=3
   geofed-hpc ps up ps=cloud ps.port=50051             # on the cloud VM
   geofed-hpc status ps.address=vm.example.org:50051
+  geofed-hpc launch site=osc ps.address=vm.example.org:50051 --dry-run   # print the sbatch file only
+  geofed-hpc launch site=osc,tacc ps.address=vm.example.org:50051       # one job per site config
+  geofed-hpc status site=osc                          # the jobs as Slurm sees them, then the PS's view
+  geofed-hpc logs site=osc --follow
+  geofed-hpc cancel site=osc
   geofed-hpc launch --cfg                             # print the composed config and exit
 """
 
@@ -105,7 +120,8 @@ def compose_config(overrides: list[str]) -> tuple[RunConfig, str]:
 
 
 def _help_text() -> str:
-    lines = ["usage: geofed-hpc COMMAND [key=value ...] [+key=value] [~key] [--cfg] [-q|-v]", "", "commands:"]
+    lines = ["usage: geofed-hpc COMMAND [key=value ...] [+key=value] [~key] [--cfg] [--dry-run] [--follow] [-q|-v]"]
+    lines += ["", "commands:"]
     lines += [f"  {name:<12} {text}" for name, text in COMMANDS.items()]
     lines += ["", "config groups (choose one option each, e.g. site=local):"]
     lines += [f"  {group:<8} {', '.join(opts)}" for group, opts in config_groups().items()]
@@ -118,6 +134,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="geofed-hpc", add_help=False)
     p.add_argument("words", nargs="*")
     p.add_argument("--cfg", action="store_true", help="print the composed config and exit")
+    p.add_argument("--dry-run", action="store_true", help="launch: print the sbatch files, submit nothing")
+    p.add_argument("--follow", action="store_true", help="logs: keep printing until the jobs end")
+    p.add_argument("--init-from", metavar="CKPT", default="", help="ps up: seed the global model from CKPT")
     p.add_argument("-h", "--help", action="store_true")
     p.add_argument("-q", "--quiet", action="store_true")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -138,7 +157,30 @@ def _split(words: list[str]) -> tuple[str, list[str]]:
     raise ConfigError(f"unknown command {' '.join(words[:2])!r}; commands: {', '.join(COMMANDS)} (see --help)")
 
 
+def _site_list(overrides: list[str]) -> list[str]:
+    """The site configs of `site=osc,tacc` (one job set each); [] without a site= override."""
+    for o in overrides:
+        if o.startswith("site="):
+            return [s.strip() for s in o[5:].split(",") if s.strip()]
+    return []
+
+
+def _launch_each(sites: list[str], overrides: list[str], args: argparse.Namespace) -> int:
+    flags = [f for f, on in (("--cfg", args.cfg), ("--dry-run", args.dry_run), ("-q", args.quiet)) if on]
+    flags += ["-v"] if args.verbose else []
+    for site in sites:
+        code = main([*flags, "launch", *[f"site={site}" if o.startswith("site=") else o for o in overrides]])
+        if code:
+            return code
+    return 0
+
+
 def cmd_launch(cfg: RunConfig) -> int:
+    if cfg.site.executor == "slurm":
+        return _launch_slurm(cfg)
+    if OPTIONS.dry_run:
+        print(f"site {cfg.site.name} runs {cfg.site.num_sites} processes here (submitit LocalExecutor): no sbatch file")
+        return 0
     from geofed_hpc.launch.local import launch_local
     from geofed_hpc.ps.app import ParameterServer
     from geofed_hpc.rpc.client import PSClient
@@ -164,36 +206,138 @@ def cmd_launch(cfg: RunConfig) -> int:
     return 0
 
 
+def _launch_slurm(cfg: RunConfig) -> int:
+    from geofed_hpc.config import to_dict
+    from geofed_hpc.errors import UnavailableError
+    from geofed_hpc.launch.executor import check_slurm_site, job_folder, sbatch_preview, site_names, site_run_dir
+    from geofed_hpc.launch.manifest import record_jobs
+    from geofed_hpc.launch.slurm import preflight, submit_site
+    from geofed_hpc.rpc.client import PSClient
+
+    check_slurm_site(cfg)
+    run_dir = site_run_dir(cfg, strict=not OPTIONS.dry_run)
+    if OPTIONS.dry_run:
+        for index, name in enumerate(site_names(cfg)):
+            print(f"# ---- {name}: {job_folder(run_dir, name) / '%j_submission.sh'} (not submitted)")
+            print(sbatch_preview(cfg, index, run_dir))
+        return 0
+    if not cfg.ps.address:
+        raise ConfigError("ps.address: Slurm site jobs dial the parameter server; set ps.address=host:port")
+    preflight(cfg)
+    try:
+        with PSClient(replace(cfg.ps, connect_timeout=PS_PROBE_TIMEOUT)) as probe:
+            probe.connect()
+    except UnavailableError as exc:
+        logger.warning("%s; submitting anyway: the jobs retry for ps.connect_timeout when they start", exc)
+    records = submit_site(cfg, cfg.ps.address)
+    manifest = record_jobs(run_dir, cfg.federation, cfg.ps.address, cfg.site.name, to_dict(cfg), records)
+    for r in records:
+        print(f"submitted {r.site}: job {r.job_id}\n  stdout {r.stdout}\n  stderr {r.stderr}", flush=True)
+    print(f"run directory: {run_dir} (manifest {manifest.name}; checkpoints under sites/)")
+    site = f"site={cfg.site.name}"
+    print(f"next: geofed-hpc status {site} | geofed-hpc logs {site} --follow | geofed-hpc cancel {site}")
+    return 0
+
+
 def cmd_ps_up(cfg: RunConfig) -> int:
     from geofed_hpc.ps.app import ParameterServer
 
-    ps_cfg = replace(cfg.ps, state_dir=str(Path(cfg.ps.state_dir).expanduser()) if cfg.ps.state_dir else "")
+    def expand(path: str) -> str:
+        return str(Path(path).expanduser()) if path else ""
+
+    init_from = OPTIONS.init_from or cfg.ps.init_from
+    ps_cfg = replace(cfg.ps, state_dir=expand(cfg.ps.state_dir), init_from=expand(init_from))
     server = ParameterServer(replace(cfg, ps=ps_cfg))
+    logic = server.logic
+    model = f"version {logic.version}" if logic.initialized else "no model yet (the first site uploads it)"
     print(
         f"parameter server on {cfg.ps.host}:{server.port} ({'plaintext' if cfg.ps.insecure else 'TLS'}, "
-        f"{cfg.ps.aggregation}); Ctrl-C to stop",
+        f"{cfg.ps.aggregation}, {model}); Ctrl-C or SIGTERM to stop",
         flush=True,
     )
-    server.wait_for_signal()
+    server.wait_for_signal()  # SIGTERM: finish pushes in flight, apply the open round, write a snapshot
+    where = f", snapshot of version {logic.snapshot_version} in {ps_cfg.state_dir}" if ps_cfg.state_dir else ""
+    print(f"parameter server stopped at version {logic.version}{where}", flush=True)
     return 0
+
+
+def _launched_jobs(cfg: RunConfig, only_site: bool) -> tuple[Any, dict[str, Any]]:
+    """The run directory's launch manifest and its newest job per site (of cfg.site only if `only_site`)."""
+    from geofed_hpc.launch.executor import site_run_dir
+    from geofed_hpc.launch.manifest import load_manifest
+
+    run_dir = site_run_dir(cfg)
+    manifest = load_manifest(run_dir)
+    if manifest is None:
+        if only_site:
+            raise ConfigError(f"run_dir: nothing was launched into {run_dir} (no launch.json); check site=, run_dir=")
+        return None, {}
+    jobs = manifest.latest(cfg.site.name if only_site else None)
+    if only_site and not jobs:
+        launched = sorted({j.cluster_site for j in manifest.jobs})
+        raise ConfigError(f"site: no {cfg.site.name} jobs in {run_dir}; launched there: {', '.join(launched)}")
+    return manifest, jobs
 
 
 def cmd_status(cfg: RunConfig) -> int:
     from geofed_hpc.rpc.client import PSClient
 
-    with PSClient(cfg.ps) as client:
+    manifest, jobs = _launched_jobs(cfg, only_site=False)
+    if jobs:
+        from geofed_hpc.launch.jobs import jobs_table
+        from geofed_hpc.launch.slurm import job_states
+
+        print(jobs_table(jobs, job_states([j.job_id for j in jobs.values()])))
+        print()
+    address = cfg.ps.address or (manifest.ps_address if manifest else "")
+    with PSClient(cfg.ps, address or None) as client:
         client.connect()
         st = client.status()
+
+    def ago(seconds: float) -> str:
+        return "-" if seconds < 0 else f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
+
+    def size(n: int) -> str:
+        return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+    mode = st.aggregation + (f"/{st.outer_optimizer}" if st.outer_optimizer else "")
+    mode += f"/{st.robust}" if st.robust not in ("", "none") else ""
+    snapshot = f"v{st.snapshot_version}" if st.snapshot_version >= 0 else "none"
     print(
-        f"version {st.version}  initialized {st.initialized}  aggregation {st.aggregation}  "
-        f"params {st.num_params:,}  uptime {st.uptime_s:.0f}s  pending deltas {st.pending_deltas}"
+        f"version {st.version}  initialized {st.initialized}  mode {mode}  params {st.num_params:,}  "
+        f"uptime {ago(st.uptime_s)}  sites {st.active_sites}/{len(st.sites)} active  pending deltas "
+        f"{st.pending_deltas}  pushes in flight {st.pushes_in_flight}  snapshot {snapshot}  "
+        f"updates kept {st.updates_kept}"
     )
-    print(f"{'site':<16}{'pushes':>8}{'base':>8}{'tokens':>12}{'loss':>9}{'last seen':>11}")
-    for s in st.sites:
-        print(
-            f"{s.site:<16}{s.pushes:>8}{s.last_base_version:>8}{s.tokens:>12,}{s.last_train_loss:>9.4f}"
-            f"{s.last_seen_s:>10.0f}s"
-        )
+    head = ("site", "state", "version", "pushes", "last push", "stale", "tokens", "received", "loss", "refused", "seen")
+    print(f"{head[0]:<16}{head[1]:<8}" + "".join(f"{h:>11}" for h in head[2:]))
+    for s in sorted(st.sites, key=lambda s: s.site):
+        cells = [s.version, s.pushes, ago(s.last_push_s), s.last_staleness, f"{s.tokens:,}", size(s.bytes_received)]
+        cells += [f"{s.last_train_loss:.4f}", s.refused, ago(s.last_seen_s)]
+        print(f"{s.site:<16}{s.state:<8}" + "".join(f"{c!s:>11}" for c in cells))
+    return 0
+
+
+def cmd_cancel(cfg: RunConfig) -> int:
+    from geofed_hpc.launch.slurm import cancel_jobs, job_states
+
+    _, jobs = _launched_jobs(cfg, only_site=True)
+    states = job_states([j.job_id for j in jobs.values()])
+    live = [j.job_id for j in jobs.values() if states[j.job_id].active]
+    cancel_jobs(live)
+    for name, job in jobs.items():
+        done = "cancelled (it checkpoints, then ends)" if job.job_id in live else f"already {states[job.job_id].state}"
+        print(f"{name}: job {job.job_id} {done}")
+    return 0
+
+
+def cmd_logs(cfg: RunConfig) -> int:
+    from geofed_hpc.launch.jobs import follow_logs, print_logs
+
+    _, jobs = _launched_jobs(cfg, only_site=True)
+    print_logs(jobs)
+    if OPTIONS.follow:
+        follow_logs(jobs)
     return 0
 
 
@@ -212,12 +356,49 @@ def cmd_wandb_sync(cfg: RunConfig) -> int:
     return sync_offline_runs(Path(cfg.run_dir).expanduser())
 
 
+def cmd_ps_init(cfg: RunConfig) -> int:
+    from geofed_hpc.rpc.tls import describe, init_pki
+
+    result = init_pki(cfg.ps, cfg.federation)
+    f = result.files
+    for path in result.created:
+        print(f"wrote {path}")
+    for path in result.kept:
+        print(f"kept  {path} (exists)")
+    print(describe(f.server_cert))
+    print(
+        f"\nPS:    geofed-hpc ps up ps=cloud ps.cert_file={f.server_cert} ps.key_file={f.server_key}"
+        + (f" ps.client_ca_file={f.ca_cert}   # mutual TLS" if cfg.ps.tls_sites else "")
+    )
+    print(f"sites: copy {f.ca_cert} (public) to each site and pass ps.ca_file=<its path> ps.insecure=false")
+    for site in cfg.ps.tls_sites:
+        crt, key = f.site(site)
+        print(f"       {site}: also copy {crt} and {key} (secret), pass ps.client_cert_file=... ps.client_key_file=...")
+    print(f"keep {f.ca_key} secret: it signs certificates for this federation")
+    return 0
+
+
+def cmd_data_prepare(cfg: RunConfig) -> int:
+    from geofed_hpc.data.shards import prepare_shards
+
+    out = Path(cfg.run_dir).expanduser() / "data"
+    index = prepare_shards(cfg.data, out, cfg.site.num_sites)
+    tokens = sum(s.tokens for s in index.train) + (index.val.tokens if index.val else 0)
+    print(f"{tokens:,} {index.dtype} tokens in {len(index.train)} site shards + validation under {out}")
+    print(f"train with: data.source={out}")
+    return 0
+
+
 HANDLERS = {
     "launch": cmd_launch,
     "ps up": cmd_ps_up,
+    "ps init": cmd_ps_init,
     "status": cmd_status,
+    "cancel": cmd_cancel,
+    "logs": cmd_logs,
     "report": cmd_report,
     "wandb sync": cmd_wandb_sync,
+    "data prepare": cmd_data_prepare,
 }
 
 
@@ -231,13 +412,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         command, overrides = _split(args.words)
+        OPTIONS.dry_run, OPTIONS.follow = args.dry_run, args.follow
+        OPTIONS.init_from = args.init_from
+        if command == "launch" and len(_site_list(overrides)) > 1:
+            return _launch_each(_site_list(overrides), overrides, args)
         cfg, yaml_text = compose_config(overrides)
         if args.cfg:
             print(yaml_text, end="")
             return 0
         verbosity = -1 if args.quiet else 1 if args.verbose else cfg.verbosity
         cfg = replace(cfg, verbosity=verbosity)
-        setup_logging(verbosity)
+        # `launch` prints its own per-sync table; its log lines (embedded PS included) show with -v only.
+        setup_logging(verbosity - 1 if command == "launch" else verbosity)
         started = time.monotonic()
         code = HANDLERS[command](cfg)
         logger.debug("%s finished in %.1fs", command, time.monotonic() - started)

@@ -43,9 +43,17 @@ def _one_of(value: str, choices: tuple[str, ...], name: str) -> None:
     _check(value in choices, name, f"must be one of {', '.join(choices)}; got {value!r}")
 
 
+# GPU type names as clusters spell them in --gres=gpu:TYPE:N / --gpus-per-node=TYPE:N.
+GPU_TYPES = (
+    "a10", "a100", "a100_80gb", "a100-sxm4-80gb", "a30", "a40", "gh200", "h100", "h100_80gb", "h200", "l4",
+    "l40", "l40s", "mi100", "mi210", "mi250", "mi300a", "mi300x", "p100", "quadro_rtx_6000", "rtx6000",
+    "rtx_a6000", "t4", "v100", "v100s", "v100_32gb",
+)  # fmt: skip
+
+
 @dataclass
 class SiteConfig:
-    """Where site jobs run: `local` processes through submitit, or a Slurm cluster."""
+    """Where site jobs run: `local` processes through submitit, or a Slurm cluster (the fields below `token`)."""
 
     name: str = "local"
     executor: str = "local"
@@ -54,13 +62,79 @@ class SiteConfig:
     cpus_per_site: int = 1
     timeout: timedelta = timedelta(hours=1)
     token: str = ""
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    constraint: str = ""
+    nodes: int = 1
+    tasks_per_node: int = 1
+    gpus_per_node: int = 0
+    gpu_type: str = ""
+    gpu_style: str = "gres"
+    mem_gb: float = 0.0
+    setup: list[str] = field(default_factory=list)
+    python: str = ""
+    signal_delay: timedelta = timedelta(seconds=90)
+    max_requeues: int = 3
+    use_srun: bool = True
+    proxy: str = ""
+    run_dir: str = ""
+    shared_fs: bool = False
+    sbatch_extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.timeout = parse_duration(self.timeout, "site.timeout")
-        _one_of(self.executor, ("local",), "site.executor")
+        self.signal_delay = parse_duration(self.signal_delay, "site.signal_delay")
+        _one_of(self.executor, ("local", "slurm"), "site.executor")
         _check(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", self.name)), "site.name", "use letters, digits, _ . -")
         _check(1 <= self.num_sites <= 64, "site.num_sites", f"must be in 1..64, got {self.num_sites}")
         _check(self.cpus_per_site >= 1, "site.cpus_per_site", "must be at least 1")
+        for key in ("nodes", "tasks_per_node"):
+            _check(getattr(self, key) >= 1, f"site.{key}", f"must be at least 1, got {getattr(self, key)}")
+        _check(self.gpus_per_node >= 0, "site.gpus_per_node", "must be 0 (CPU only) or more")
+        _check(self.mem_gb >= 0, "site.mem_gb", "must be 0 (the partition's default) or more")
+        _check(self.max_requeues >= 0, "site.max_requeues", "must be 0 or more")
+        _one_of(self.gpu_style, ("gres", "gpus", "none"), "site.gpu_style")
+        if self.gpu_type:
+            _check(
+                self.gpu_type in GPU_TYPES,
+                "site.gpu_type",
+                f"unknown GPU type {self.gpu_type!r}; known: {', '.join(GPU_TYPES)} "
+                "(or leave it empty and put the cluster's own gres string in site.sbatch_extra)",
+            )
+            _check(self.gpus_per_node > 0, "site.gpu_type", "is set but site.gpus_per_node is 0")
+        self.setup = list(self.setup)
+        _check(all(isinstance(s, str) for s in self.setup), "site.setup", "must be a list of shell lines")
+        self.sbatch_extra = dict(self.sbatch_extra)
+        for key, value in self.sbatch_extra.items():
+            _check(
+                bool(re.fullmatch(r"[a-z][a-z0-9_-]*", str(key))) and isinstance(value, (str, int, bool)),
+                "site.sbatch_extra",
+                f"expected sbatch option names (no leading --) to string values, got {key!r}: {value!r}",
+            )
+        if self.proxy:
+            _check(
+                bool(re.fullmatch(r"https?://[^\s/]+(:\d+)?/?", self.proxy)),
+                "site.proxy",
+                f"expected http://host:port, got {self.proxy!r}",
+            )
+        if self.executor == "slurm":
+            _check(bool(self.partition), "site.partition", "a Slurm site needs a partition (`sinfo -s` lists them)")
+            _check(
+                not self.embedded_ps,
+                "site.embedded_ps",
+                "Slurm jobs outlive `launch`: set it false, run `geofed-hpc ps up` and pass ps.address",
+            )
+            _check(
+                self.timeout >= timedelta(minutes=1),
+                "site.timeout",
+                f"Slurm time limits are whole minutes, got {self.timeout.total_seconds():g}s",
+            )
+            _check(
+                self.signal_delay >= timedelta(seconds=10),
+                "site.signal_delay",
+                "leave a Slurm job at least 10s between its warning signal and the kill",
+            )
 
 
 @dataclass
@@ -77,10 +151,18 @@ class ModelConfig:
     d_ff: int = 256
     dropout: float = 0.0
     tie_embeddings: bool = True
+    # Llama only: grouped-query attention (0 = n_heads), RoPE base and Llama 3 frequency scaling (1 = off).
+    n_kv_heads: int = 0
+    rope_theta: float = 10000.0
+    rope_scaling: float = 1.0
+    rope_original_context: int = 8192
+    norm_eps: float = 1e-5
+    # A local Hugging Face-format .safetensors file or folder to start from (fine-tuning); "" = random init.
+    init_from: str = ""
 
     def __post_init__(self) -> None:
-        _one_of(self.arch, ("gpt2",), "model.arch")
-        for key in ("vocab_size", "context", "d_model", "n_layers", "n_heads", "d_ff"):
+        _one_of(self.arch, ("gpt2", "llama"), "model.arch")
+        for key in ("vocab_size", "context", "d_model", "n_layers", "n_heads", "d_ff", "rope_original_context"):
             _check(getattr(self, key) >= 1, f"model.{key}", f"must be at least 1, got {getattr(self, key)}")
         _check(
             self.d_model % self.n_heads == 0,
@@ -88,6 +170,27 @@ class ModelConfig:
             f"must be divisible by model.n_heads ({self.d_model} % {self.n_heads} != 0)",
         )
         _check(0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}")
+        _check(self.n_kv_heads >= 0, "model.n_kv_heads", f"must be 0 (= n_heads) or positive, got {self.n_kv_heads}")
+        _check(
+            self.n_heads % self.kv_heads == 0,
+            "model.n_kv_heads",
+            f"must divide model.n_heads ({self.n_heads} % {self.kv_heads} != 0)",
+        )
+        _check(self.arch == "llama" or self.kv_heads == self.n_heads, "model.n_kv_heads", "is for arch=llama only")
+        _check(self.arch != "llama" or self.head_dim % 2 == 0, "model.n_heads", "RoPE needs an even head size")
+        _check(self.rope_theta > 0, "model.rope_theta", f"must be positive, got {self.rope_theta}")
+        _check(self.rope_scaling >= 1.0, "model.rope_scaling", f"must be 1 (off) or more, got {self.rope_scaling}")
+        _check(self.norm_eps > 0, "model.norm_eps", f"must be positive, got {self.norm_eps}")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (n_kv_heads, or n_heads when it is 0)."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        return self.d_model // self.n_heads
 
 
 @dataclass
@@ -101,12 +204,36 @@ class PSConfig:
     cert_file: str = ""
     key_file: str = ""
     ca_file: str = ""
+    client_ca_file: str = ""
+    client_cert_file: str = ""
+    client_key_file: str = ""
+    tls_names: list[str] = field(default_factory=list)
+    tls_sites: list[str] = field(default_factory=list)
+    tls_overwrite: bool = False
     enroll_token: str = ""
     aggregation: str = "sync"
+    outer_optimizer: str = "plain"
     global_lr: float = 1.0
+    momentum: float = 0.9
+    weighting: str = "uniform"
+    robust: str = "none"
+    trim_fraction: float = 0.1
+    clip_norm: float = 0.0
+    buffer_size: int = 4
     round_timeout: timedelta = timedelta(minutes=2)
     max_staleness: int = 4
     state_dir: str = ""
+    staging_dir: str = ""
+    snapshot_every: int = 1
+    downlink_codec: str = ""
+    downlink_history: int = 16
+    max_concurrent_pushes: int = 4
+    max_concurrent_downloads: int = 4
+    decode_threads: int = 2
+    stream_window_bytes: int = 1 << 20
+    max_workers: int = 128
+    shutdown_grace: timedelta = timedelta(seconds=60)
+    init_from: str = ""
     chunk_bytes: int = 1 << 20
     max_message_bytes: int = 64 << 20
     max_delta_bytes: int = 8 << 30
@@ -117,10 +244,39 @@ class PSConfig:
         self.round_timeout = parse_duration(self.round_timeout, "ps.round_timeout")
         self.connect_timeout = parse_duration(self.connect_timeout, "ps.connect_timeout")
         self.rpc_timeout = parse_duration(self.rpc_timeout, "ps.rpc_timeout")
+        self.shutdown_grace = parse_duration(self.shutdown_grace, "ps.shutdown_grace")
         _check(0 <= self.port <= 65535, "ps.port", f"must be in 0..65535, got {self.port}")
-        _one_of(self.aggregation, ("sync", "async"), "ps.aggregation")
+        _one_of(self.aggregation, ("sync", "async", "buffered"), "ps.aggregation")
+        _one_of(self.outer_optimizer, ("plain", "nesterov", "fednova"), "ps.outer_optimizer")
+        _one_of(self.weighting, ("uniform", "tokens"), "ps.weighting")
+        _one_of(self.robust, ("none", "trimmed_mean", "median"), "ps.robust")
+        _one_of(self.downlink_codec, ("", *WIRE_CODECS), "ps.downlink_codec")
         _check(self.global_lr > 0, "ps.global_lr", f"must be positive, got {self.global_lr}")
+        _check(0.0 <= self.momentum < 1.0, "ps.momentum", f"must be in [0, 1), got {self.momentum}")
+        _check(0.0 <= self.trim_fraction < 0.5, "ps.trim_fraction", f"must be in [0, 0.5), got {self.trim_fraction}")
+        _check(self.clip_norm >= 0, "ps.clip_norm", f"must be 0 (off) or positive, got {self.clip_norm}")
         _check(self.max_staleness >= 0, "ps.max_staleness", "must be 0 or more")
+        limits = ("max_concurrent_pushes", "max_concurrent_downloads", "decode_threads")
+        for key in ("buffer_size", "snapshot_every", *limits):
+            _check(getattr(self, key) >= 1, f"ps.{key}", f"must be at least 1, got {getattr(self, key)}")
+        _check(self.downlink_history >= 0, "ps.downlink_history", "must be 0 (always full models) or more")
+        _check(self.max_workers >= 4, "ps.max_workers", f"must be at least 4, got {self.max_workers}")
+        _check(
+            self.stream_window_bytes == 0 or self.stream_window_bytes >= 1 << 16,
+            "ps.stream_window_bytes",
+            f"must be 0 (gRPC's automatic windows) or at least 65536, got {self.stream_window_bytes}",
+        )
+        if self.robust != "none":
+            _check(
+                self.aggregation != "async",
+                "ps.robust",
+                f"{self.robust} needs several deltas per update: use ps.aggregation=sync or buffered",
+            )
+            _check(
+                self.weighting == "uniform",
+                "ps.weighting",
+                f"robust rule {self.robust} is unweighted: set ps.weighting=uniform",
+            )
         _check(
             4096 <= self.chunk_bytes <= self.max_message_bytes // 2,
             "ps.chunk_bytes",
@@ -139,24 +295,66 @@ class PSConfig:
                 "TLS is on: set ps.ca_file (clients) and ps.cert_file/ps.key_file (server), "
                 "or ps.insecure=true for a local plaintext demo",
             )
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        """Mutual TLS and `ps init` fields (rpc/tls.py, rpc/channel.py)."""
+        _check(
+            bool(self.client_cert_file) == bool(self.client_key_file),
+            "ps.client_cert_file",
+            "a site's client certificate needs both ps.client_cert_file and ps.client_key_file",
+        )
+        if self.insecure:
+            for key in ("client_ca_file", "client_cert_file"):
+                _check(not getattr(self, key), f"ps.{key}", "mutual TLS needs TLS: set ps.insecure=false")
+        self.tls_names = [str(n) for n in self.tls_names]
+        for name in self.tls_names:
+            _check(
+                bool(re.fullmatch(r"[A-Za-z0-9*.:-]+", name)),
+                "ps.tls_names",
+                f"expected DNS names or IP addresses, got {name!r}",
+            )
+        self.tls_sites = [str(n) for n in self.tls_sites]
+        for name in self.tls_sites:
+            _check(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", name)), "ps.tls_sites", f"bad site name {name!r}")
 
     def dial_address(self) -> str:
         """The host:port clients dial (ps.address, else host:port)."""
         return self.address or f"{self.host}:{self.port}"
 
 
+# Codecs on the wire (geofed_hpc.codec implements each); "adaptive" lets each site pick one per push.
+WIRE_CODECS = ("fp32", "bf16", "int16", "int8", "int4", "paper_int8")
+
+
 @dataclass
 class CodecConfig:
-    """How deltas are compressed on the wire."""
+    """How deltas are compressed on the wire; the adaptive_* fields steer codec.name=adaptive on each site."""
 
     name: str = "int8"
     block_size: int = 1 << 16
     zstd_level: int = 1
+    stochastic_rounding: bool = False
+    # most accurate first: a site pushes with the first one whose predicted push time fits the budget
+    adaptive_codecs: list[str] = field(default_factory=lambda: ["fp32", "int16", "bf16", "int8", "int4"])
+    adaptive_fraction: float = 0.1  # budget: this share of the sync interval per push
+    adaptive_ema: float = 0.3  # weight of the newest throughput measurement
 
     def __post_init__(self) -> None:
-        _one_of(self.name, ("fp32", "int8"), "codec.name")
-        _check(self.block_size >= 64, "codec.block_size", f"must be at least 64, got {self.block_size}")
+        _one_of(self.name, (*WIRE_CODECS, "adaptive"), "codec.name")
+        _check(64 <= self.block_size <= 1 << 31, "codec.block_size", f"must be in 64..{1 << 31}, got {self.block_size}")
         _check(1 <= self.zstd_level <= 22, "codec.zstd_level", f"must be in 1..22, got {self.zstd_level}")
+        self.adaptive_codecs = list(self.adaptive_codecs)
+        _check(bool(self.adaptive_codecs), "codec.adaptive_codecs", "must name at least one codec")
+        for name in self.adaptive_codecs:
+            _one_of(name, WIRE_CODECS, "codec.adaptive_codecs")
+        _check(len(set(self.adaptive_codecs)) == len(self.adaptive_codecs), "codec.adaptive_codecs", "has duplicates")
+        _check(
+            0 < self.adaptive_fraction <= 1,
+            "codec.adaptive_fraction",
+            f"must be in (0, 1], got {self.adaptive_fraction}",
+        )
+        _check(0 < self.adaptive_ema <= 1, "codec.adaptive_ema", f"must be in (0, 1], got {self.adaptive_ema}")
 
 
 @dataclass

@@ -30,14 +30,28 @@ def run(args: list[str], cwd: Path | None = None, timeout: float = 120, **env: s
 
 def test_help_lists_commands_groups_and_options(tmp_path: Path) -> None:
     out = run(["--help"], cwd=tmp_path).stdout
-    for text in ("launch", "ps up", "status", "site ", "local", "model ", "tiny", "cloud", "--cfg", "+key=value"):
+    for text in (
+        "launch",
+        "ps up",
+        "status",
+        "report",
+        "site ",
+        "local",
+        "osc",
+        "model ",
+        "tiny",
+        "llama3_1b",
+        "cloud",
+        "--cfg",
+        "+key=value",
+    ):
         assert text in out
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["launch", "model=tinyy"], "unknown model option 'tinyy'; valid choices: tiny"),
+        (["launch", "model=tinyy"], "unknown model option 'tinyy'; valid choices: gpt2_medium"),
         (["lunch"], "unknown command 'lunch'"),
         (["status", "ps.port=x"], "ps.port: expected an integer"),
         (["report", "/nonexistent/run"], "no metrics in /nonexistent/run/metrics"),

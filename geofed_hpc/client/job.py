@@ -2,12 +2,101 @@
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import signal
+import sys
+import threading
+import types
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import submitit
 
 from geofed_hpc.config import RunConfig, from_dict
 from geofed_hpc.log import logger, setup_logging
+
+# USR2: submitit's preemption/timeout signal (NCCL takes USR1). TERM: `scontrol requeue`, scancel, end of grace.
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+
+class Stoppable(Protocol):
+    """What the stop handler needs from a trainer (see SiteTrainer.request_stop)."""
+
+    on_stop: Callable[[int], None]
+    stop_signal: int | None
+
+    def request_stop(self, signum: int) -> bool: ...
+
+    def checkpoint_after_error(self) -> None: ...
+
+
+def global_rank() -> int:
+    """This task's rank in a submitit job (0 outside one)."""
+    try:
+        return int(submitit.JobEnvironment().global_rank)
+    except RuntimeError:
+        return int(os.environ.get("SLURM_PROCID", "0") or 0)
+
+
+class StopHandler:
+    """Turns USR2/SIGTERM into a checkpoint at the trainer's next safe point, then submitit's requeue or exit.
+
+    submitit's own USR2 handler checkpoints and requeues at once, wherever the main thread happens to be
+    (mid optimizer step, mid push). This one asks the trainer first: it stops at once where the state on
+    disk is complete, else at the end of the current step or push. USR2 then goes on to submitit's handler
+    (ClientJob.checkpoint, pickle, `scontrol requeue`, exit); SIGTERM (`scontrol requeue`, scancel) exits,
+    and Slurm requeues or ends the job. Only global rank 0 checkpoints; other ranks just leave.
+
+    With the checkpoint on disk the process leaves at once (`exit`, os._exit by default): a graceful
+    interpreter shutdown (W&B teardown, process groups) takes seconds and can hang past Slurm's kill.
+    """
+
+    def __init__(self, rank: int = 0, exit: Callable[[int], Any] = os._exit) -> None:
+        self.rank = rank
+        self.trainer: Stoppable | None = None
+        self.previous: dict[int, Any] = {}
+        self.exit = exit
+
+    def install(self) -> StopHandler:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signals reach only the main thread; nothing to catch here
+        for sig in STOP_SIGNALS:
+            self.previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._handle)
+        return self
+
+    def attach(self, trainer: Stoppable) -> None:
+        trainer.on_stop = self.finish
+        self.trainer = trainer
+
+    def _handle(self, signum: int, frame: types.FrameType | None) -> None:
+        logger.warning("caught %s (rank %d)", signal.Signals(signum).name, self.rank)
+        if self.rank != 0:
+            if self.trainer is not None:  # FSDP: rank 0's checkpoint gathers from every rank; stop with it
+                self.trainer.request_stop(signum)
+                return
+            if signum == signal.SIGTERM:
+                raise SystemExit(128 + signum)
+            return  # rank 0 checkpoints and requeues the whole job
+        if self.trainer is None or self.trainer.request_stop(signum):
+            self.finish(signum)
+
+    def finish(self, signum: int) -> None:
+        """Leave: USR2 through submitit's handler (checkpoint + requeue), anything else by exiting."""
+        code: Any = 128 + signum
+        previous = self.previous.get(signum)
+        if signum == signal.SIGUSR2 and callable(previous):
+            try:
+                previous(signum, None)  # submitit: ClientJob.checkpoint(), dump, `scontrol requeue`, sys.exit
+            except SystemExit as done:  # its exit code matters to submitit's local executor (requeue)
+                code = done.code
+        code = code if isinstance(code, int) else 1
+        logger.info("stopping for %s with exit code %d; the checkpoint is on disk", signal.Signals(signum).name, code)
+        for stream in (sys.stdout, sys.stderr, *(getattr(h, "stream", None) for h in logger.handlers)):
+            if stream is not None:
+                stream.flush()
+        self.exit(code & 0xFF)
+        raise SystemExit(code)
 
 
 class ClientJob(submitit.helpers.Checkpointable):
@@ -25,9 +114,22 @@ class ClientJob(submitit.helpers.Checkpointable):
     def __call__(self) -> dict[str, Any]:
         cfg: RunConfig = from_dict(RunConfig, self.cfg)
         setup_logging(cfg.verbosity)
+        stopper = StopHandler(global_rank()).install()  # before the slow start: a signal then just exits
         from geofed_hpc.client.trainer import SiteTrainer  # torch is imported here, inside the job
 
-        return SiteTrainer(cfg, self.site_index, self.ps_address).run()
+        trainer = SiteTrainer(cfg, self.site_index, self.ps_address)
+        stopper.attach(trainer)
+        try:
+            return trainer.run()
+        except Exception as exc:
+            if trainer.stop_signal is None:
+                raise
+            # Slurm signals every process of the step (W&B's service too): an error that comes before the
+            # requested stop must not turn a job that is to be requeued into a failed one. Stop as asked.
+            logger.warning("site %d: %s after a stop request; stopping now", self.site_index, exc)
+            trainer.checkpoint_after_error()
+            stopper.finish(trainer.stop_signal)
+            raise SystemExit(128 + trainer.stop_signal) from None
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         logger.info(

@@ -1,5 +1,20 @@
-"""Delta compression: per-block min-max int8 or lossless fp32, zstd-coded, in a checksummed container."""
+"""Delta compression: min-max int16/int8/int4, bf16 or lossless fp32, zstd-coded, streamed in checked frames."""
 
-from geofed_hpc.codec.container import codec_name, decode, encode
+from geofed_hpc.codec.adaptive import LinkAdaptive
+from geofed_hpc.codec.feedback import ErrorFeedback
+from geofed_hpc.codec.inputs import TensorSource
+from geofed_hpc.codec.schemes import CODECS
+from geofed_hpc.codec.stream import Piece, StreamDecoder, codec_name, decode, encode, encode_frames
 
-__all__ = ["codec_name", "decode", "encode"]
+__all__ = [
+    "CODECS",
+    "ErrorFeedback",
+    "LinkAdaptive",
+    "Piece",
+    "StreamDecoder",
+    "TensorSource",
+    "codec_name",
+    "decode",
+    "encode",
+    "encode_frames",
+]

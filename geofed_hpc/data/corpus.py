@@ -57,19 +57,23 @@ def source_path(source: str) -> Path:
     return path
 
 
+def jsonl_record(path: Path, number: int, line: str) -> dict:
+    """Line `number` of a JSONL file as an object with a string "text"; a clear error naming file:line otherwise."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg}); each line must be a JSON object") from exc
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        raise ConfigError(f'{path}:{number}: expected a JSON object with a string "text" field')
+    return record
+
+
+def jsonl_text(path: Path, number: int, line: str) -> str:
+    return str(jsonl_record(path, number, line)["text"])
+
+
 def _jsonl_records(path: Path, text: str) -> list[dict]:
-    records = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg}); each line must be a JSON object") from exc
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise ConfigError(f'{path}:{number}: expected a JSON object with a string "text" field')
-        records.append(record)
-    return records
+    return [jsonl_record(path, n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
 
 
 def bible_documents(path: Path, text: str) -> list[str]:

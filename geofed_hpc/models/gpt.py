@@ -49,9 +49,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.ln1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -69,7 +69,7 @@ class GPT(nn.Module):
         self.wpe = nn.Embedding(cfg.context, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
@@ -114,15 +114,3 @@ class GPT(nn.Module):
             return logits, None
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
         return logits, loss
-
-
-def build_model(cfg: ModelConfig, seed: int) -> GPT:
-    """A GPT with deterministic GPT-2 init for `seed`; the global RNG state is left untouched."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return GPT(cfg)
-
-
-def num_params(model: nn.Module) -> int:
-    """Number of distinct parameters (tied weights counted once)."""
-    return sum(p.numel() for p in model.parameters())

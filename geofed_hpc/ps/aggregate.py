@@ -1,4 +1,4 @@
-"""Aggregation math, pure: folding deltas, staleness discounts, closing rounds, applying updates."""
+"""Aggregation math, pure: folding deltas, robust rules, staleness, outer optimizers, round closing."""
 
 from __future__ import annotations
 
@@ -11,34 +11,65 @@ Params = dict[str, np.ndarray]
 
 
 class MeanAccumulator:
-    """Fold weighted deltas into one running sum: memory is one model's worth, whatever the count."""
+    """Fold weighted deltas into one running sum: memory is one model's worth, whatever the count.
+
+    fold(delta, weight, scale, steps) adds weight*scale*delta; take_mean() hands over sum / summed weights
+    and FedNova's effective step count (the weighted mean of the folded `steps`), and starts afresh.
+    """
 
     def __init__(self) -> None:
         self._sum: Params | None = None
         self.weight = 0.0
+        self.weighted_steps = 0.0
         self.count = 0
 
-    def fold(self, delta: Mapping[str, np.ndarray], weight: float = 1.0) -> None:
-        if weight <= 0:
+    def fold(
+        self,
+        delta: Mapping[str, np.ndarray],
+        weight: float = 1.0,
+        scale: float = 1.0,
+        steps: int = 0,
+        consume: bool = False,
+    ) -> None:
+        """Add `weight * scale * delta`; with `consume` the caller's arrays may be scaled in place."""
+        if not weight > 0:
             raise ValueError(f"weight must be positive, got {weight}")
+        factor = np.float32(weight * scale)
         if self._sum is None:
-            self._sum = {k: np.asarray(v, dtype=np.float32) * np.float32(weight) for k, v in delta.items()}
+            self._sum = {}
+            for k, v in delta.items():
+                own = np.array(v, dtype=np.float32, copy=True)
+                if factor != 1:
+                    own *= factor
+                self._sum[k] = own
         else:
             if delta.keys() != self._sum.keys():
                 raise ValueError("delta names differ from the ones already folded")
             for k, v in delta.items():
-                self._sum[k] += np.float32(weight) * v
+                if factor == 1:
+                    self._sum[k] += v
+                elif consume and v.dtype == np.float32:
+                    v *= factor
+                    self._sum[k] += v
+                else:
+                    self._sum[k] += factor * v
         self.weight += weight
+        self.weighted_steps += weight * steps
         self.count += 1
 
-    def mean(self) -> Params:
+    def take_mean(self) -> tuple[Params, float]:
+        """(weighted mean of everything folded, FedNova's tau_eff); the sum is handed over, not copied."""
         if self._sum is None:
             raise ValueError("no delta folded yet")
         inv = np.float32(1.0 / self.weight)
-        return {k: v * inv for k, v in self._sum.items()}
+        out, tau_eff = self._sum, self.weighted_steps / self.weight
+        for v in out.values():
+            v *= inv
+        self.reset()
+        return out, tau_eff
 
     def reset(self) -> None:
-        self._sum, self.weight, self.count = None, 0.0, 0
+        self._sum, self.weight, self.weighted_steps, self.count = None, 0.0, 0.0, 0
 
 
 def staleness_discount(staleness: int) -> float:
@@ -46,6 +77,88 @@ def staleness_discount(staleness: int) -> float:
     if staleness < 0:
         raise ValueError(f"staleness cannot be negative, got {staleness}")
     return 1.0 / math.sqrt(1.0 + staleness)
+
+
+def global_norm(delta: Mapping[str, np.ndarray]) -> float:
+    """L2 norm over every tensor of `delta` (accumulated in float64)."""
+    total = 0.0
+    for v in delta.values():
+        flat = v.reshape(-1)
+        total += float(np.dot(flat, flat)) if flat.size else 0.0
+    return math.sqrt(total)
+
+
+def clip_scale(norm: float, clip_norm: float) -> float:
+    """Factor that brings a delta of L2 norm `norm` to at most `clip_norm` (1.0 when off or already inside)."""
+    if clip_norm <= 0 or norm <= clip_norm:
+        return 1.0
+    return clip_norm / norm
+
+
+def trimmed_mean(stack: np.ndarray, trim_fraction: float) -> np.ndarray:
+    """Coordinate-wise mean of rows after dropping the floor(f*N) largest and smallest values per column."""
+    n = stack.shape[0]
+    k = min(int(math.floor(trim_fraction * n)), (n - 1) // 2)
+    ordered = np.sort(stack, axis=0)
+    kept = ordered[k : n - k]
+    return kept.mean(axis=0, dtype=np.float64).astype(np.float32)
+
+
+def coordinate_median(stack: np.ndarray) -> np.ndarray:
+    """Coordinate-wise median of rows (mean of the two middle values for an even count)."""
+    return np.median(stack, axis=0).astype(np.float32)
+
+
+ROBUST_RULES = {"trimmed_mean", "median"}
+
+
+def robust_rule(name: str, stack: np.ndarray, trim_fraction: float) -> np.ndarray:
+    """Apply robust rule `name` (trimmed_mean or median) column-wise to an (N, n) float32 stack."""
+    if name == "trimmed_mean":
+        return trimmed_mean(stack, trim_fraction)
+    if name == "median":
+        return coordinate_median(stack)
+    raise ValueError(f"unknown robust rule {name!r}; expected one of {sorted(ROBUST_RULES)}")
+
+
+class OuterOptimizer:
+    """Turn an aggregated delta into the global update: plain/fednova lr*D, or Nesterov momentum (DiLoCo).
+
+    Deltas point from the base to the local model (the negative outer gradient), so Nesterov reads
+    m <- mu*m + D; update = lr * (D + mu*m), torch's SGD(nesterov=True) with the sign flipped.
+    """
+
+    KINDS = ("plain", "nesterov", "fednova")
+
+    def __init__(self, kind: str, lr: float, momentum: float = 0.9) -> None:
+        if kind not in self.KINDS:
+            raise ValueError(f"unknown outer optimizer {kind!r}; expected one of {', '.join(self.KINDS)}")
+        self.kind, self.lr, self.momentum = kind, lr, momentum
+        self.buffers: Params = {}
+
+    def step(self, delta: Params) -> Params:
+        """The update for `delta` (which is consumed: its arrays are reused for the result)."""
+        lr = np.float32(self.lr)
+        if self.kind != "nesterov":
+            for v in delta.values():
+                v *= lr
+            return delta
+        mu = np.float32(self.momentum)
+        for k, d in delta.items():
+            buf = self.buffers.get(k)
+            if buf is None:
+                buf = self.buffers[k] = np.zeros_like(d, dtype=np.float32)
+            buf *= mu
+            buf += d
+            d += mu * buf
+            d *= lr
+        return delta
+
+    def state(self) -> Params:
+        return self.buffers
+
+    def load_state(self, buffers: Mapping[str, np.ndarray]) -> None:
+        self.buffers = {k: np.asarray(v, dtype=np.float32) for k, v in buffers.items()}
 
 
 def apply_update(params: Params, update: Mapping[str, np.ndarray], lr: float) -> None:
@@ -57,6 +170,15 @@ def apply_update(params: Params, update: Mapping[str, np.ndarray], lr: float) ->
         target += np.float32(lr) * v
 
 
+def add_update(params: Params, update: Mapping[str, np.ndarray]) -> None:
+    """Theta <- Theta + update exactly (float32 adds, the same ones every replica performs)."""
+    for k, v in update.items():
+        target = params[k]
+        if target.shape != v.shape:
+            raise ValueError(f"{k}: update shape {v.shape} != parameter shape {target.shape}")
+        target += v
+
+
 def round_complete(pushed: set[str], active: set[str], now: float, deadline: float | None) -> bool:
     """A sync round closes when every active session pushed, or its deadline passed with at least one push."""
     if not pushed:
@@ -64,3 +186,10 @@ def round_complete(pushed: set[str], active: set[str], now: float, deadline: flo
     if active <= pushed:
         return True
     return deadline is not None and now >= deadline
+
+
+def buffer_full(count: int, size: int, now: float, deadline: float | None) -> bool:
+    """A buffered update fires after `size` deltas, or when its deadline passed with at least one."""
+    if count == 0:
+        return False
+    return count >= size or (deadline is not None and now >= deadline)

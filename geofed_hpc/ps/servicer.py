@@ -1,265 +1,248 @@
-"""The parameter server's logic behind geofed.v1: sessions, pushes, rounds, model downloads."""
+"""The parameter server's RPCs behind geofed.v1: joins, heartbeats, status, model downloads and pushes."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import secrets
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
-
 from geofed_hpc import codec
-from geofed_hpc.ckpt import CheckpointStore
-from geofed_hpc.config import CodecConfig, PSConfig
-from geofed_hpc.errors import AuthError, ProtocolError, StaleError
+from geofed_hpc.errors import CodecError, GeofedError, ProtocolError, StaleError, UnavailableError
 from geofed_hpc.log import logger
-from geofed_hpc.ps.aggregate import MeanAccumulator, Params, apply_update, round_complete, staleness_discount
+from geofed_hpc.ps.aggregate import Params, staleness_discount
+from geofed_hpc.ps.sessions import Session
+from geofed_hpc.ps.state import GlobalState
 from geofed_hpc.rpc import messages as m
-from geofed_hpc.rpc.stream import collect, digest, to_chunks
+from geofed_hpc.rpc.stream import first_header, to_chunks
 
 MAX_REMEMBERED_PUSHES = 10_000
 
 
-def _hash(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
+class ParameterServerLogic(GlobalState):
+    """Runs in memory (tests call it directly) and behind rpc.server (real gRPC); never opens sockets.
 
-
-@dataclass
-class Session:
-    site: str
-    rejoin_hash: str
-    last_seen: float
-    pushes: int = 0
-    tokens: int = 0
-    last_base_version: int = 0
-    last_train_loss: float = 0.0
-    leaving: bool = False
-
-
-@dataclass
-class _Round:
-    acc: MeanAccumulator = field(default_factory=MeanAccumulator)
-    pushed: set[str] = field(default_factory=set)
-    deadline: float | None = None
-
-
-class ParameterServerLogic:
-    """Runs in memory (tests call it directly) and behind rpc.server (real gRPC); never opens sockets."""
-
-    def __init__(self, cfg: PSConfig, settings: m.RunSettings, clock=time.monotonic) -> None:
-        self.cfg = cfg
-        self.settings = settings
-        self._clock = clock
-        self._started = clock()
-        self._cond = threading.Condition()
-        self.params: Params | None = None
-        self.version = 0
-        self.sessions: dict[str, Session] = {}
-        self._push_ids: OrderedDict[str, m.PushReply] = OrderedDict()
-        self._round = _Round()
-        self._model_cache: tuple[int, bytes] | None = None
-        self._store = CheckpointStore(Path(cfg.state_dir), prefix="global", keep=2) if cfg.state_dir else None
-        if self._store is not None:
-            self._restore()
-
-    # ---------------------------------------------------------------- persistence
-    def _restore(self) -> None:
-        assert self._store is not None
-        loaded = self._store.load_latest()
-        if loaded is None:
-            return
-        tensors, meta, path = loaded
-        self.params = {k: np.asarray(v, dtype=np.float32) for k, v in tensors.items()}
-        self.version = int(meta["version"])
-        logger.info("restored global model version %d (%d tensors) from %s", self.version, len(tensors), path)
-
-    def _snapshot(self) -> None:
-        if self._store is not None and self.params is not None:
-            self._store.save(self.version, self.params, {"version": self.version, "time": time.time()})
-
-    # ---------------------------------------------------------------- helpers
-    @property
-    def initialized(self) -> bool:
-        return self.params is not None
-
-    def _session(self, session_id: str) -> Session:
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise AuthError(f"unknown session {session_id[:8]}...: join again")
-        session.last_seen = self._clock()
-        session.leaving = False
-        return session
-
-    def _active(self) -> set[str]:
-        horizon = self._clock() - 3 * self.cfg.round_timeout.total_seconds()
-        return {sid for sid, s in self.sessions.items() if not s.leaving and s.last_seen >= horizon}
-
-    def _expected_spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        assert self.params is not None
-        return {k: (tuple(v.shape), "float32") for k, v in self.params.items()}
-
-    def _new_version(self) -> None:
-        self.version += 1
-        self._model_cache = None
-        self._snapshot()
-        self._cond.notify_all()
+    A push is received into a staging file and verified (length, sha256) before anything is decoded; a pool of
+    `ps.decode_threads` threads decodes verified pushes and folds them into the open round. At most
+    `ps.max_concurrent_pushes` streams are read and `ps.max_concurrent_downloads` sent at once; the others wait.
+    """
 
     # ---------------------------------------------------------------- RPCs
     def join(self, request: m.JoinRequest) -> m.JoinReply:
-        rejoin = secrets.token_urlsafe(24)
         with self._cond:
-            if request.resume_session:
-                old = self.sessions.get(request.resume_session)
-                if old is None or not hmac.compare_digest(old.rejoin_hash, _hash(request.token)):
-                    raise AuthError("rejoin token is unknown or already used: enroll again with the site token")
-                session_id = request.resume_session
-                old.rejoin_hash, old.last_seen, old.leaving = _hash(rejoin), self._clock(), False
-            else:
-                if self.cfg.enroll_token and not hmac.compare_digest(
-                    _hash(self.cfg.enroll_token), _hash(request.token)
-                ):
-                    raise AuthError(f"site {request.site!r}: enrollment token refused")
-                session_id = secrets.token_hex(16)
-                self.sessions[session_id] = Session(request.site, _hash(rejoin), self._clock())
+            session_id, rejoin = self.sessions.join(request)
             logger.info("site %s joined (session %s..., version %d)", request.site, session_id[:8], self.version)
             return m.JoinReply(session_id, rejoin, self.version, self.initialized, self.settings)
 
     def heartbeat(self, request: m.HeartbeatRequest) -> m.HeartbeatReply:
         with self._cond:
-            session = self._session(request.session_id)
-            session.leaving = request.leaving
+            self.sessions.get(request.session_id)
             if request.leaving:
-                logger.info("site %s left", session.site)
-            self._maybe_close_round()
-            waiting = bool(self._round.pushed) and request.session_id not in self._round.pushed
+                self.sessions.leave(request.session_id)
+            self._maybe_close()
+            pushed = self.rounds.pushed
+            waiting = self.cfg.aggregation == "sync" and bool(pushed) and request.session_id not in pushed
             return m.HeartbeatReply(self.version, sync_now=waiting)
 
     def status(self, request: m.StatusRequest) -> m.StatusReply:
         with self._cond:
             now = self._clock()
-            sites = [
-                m.SiteStatus(s.site, sid, s.pushes, s.last_base_version, now - s.last_seen, s.tokens, s.last_train_loss)
-                for sid, s in self.sessions.items()
-            ]
+            sites = [self._site_status(sid, s, now) for sid, s in self.sessions.sessions.items()]
             n = sum(int(v.size) for v in self.params.values()) if self.params else 0
             return m.StatusReply(
                 self.version,
                 self.initialized,
-                self.settings.aggregation,
+                self.cfg.aggregation,
                 n,
                 now - self._started,
                 sites,
-                self._round.acc.count,
+                self.rounds.count,
+                self.cfg.outer_optimizer,
+                self.cfg.robust,
+                len(self.sessions.active()),
+                self.snapshot_version,
+                len(self.downlink.versions()),
+                len(self._inflight),
             )
 
+    def _site_status(self, sid: str, s: Session, now: float) -> m.SiteStatus:
+        last_push = now - s.last_push if s.last_push is not None else -1.0
+        return m.SiteStatus(
+            s.site,
+            sid,
+            s.pushes,
+            s.last_base_version,
+            now - s.last_seen,
+            s.tokens,
+            s.last_train_loss,
+            self.sessions.state(s),
+            last_push,
+            s.last_staleness,
+            s.bytes_received,
+            s.version,
+            s.refused,
+        )
+
     def stream_model(self, request: m.ModelRequest) -> Iterator[m.Chunk]:
-        deadline = self._clock() + max(0.0, request.wait_s)
+        deadline = time.monotonic() + max(0.0, request.wait_s)
         with self._cond:
-            self._session(request.session_id)
-            while not (self.initialized and self.version >= request.min_version):
-                left = deadline - self._clock()
+            session = self.sessions.get(request.session_id)
+            while not self._closing and not (self.initialized and self.version >= request.min_version):
+                left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(timeout=min(left, 1.0))
-                self._maybe_close_round()
+                self.sessions.get(request.session_id)
+                self._maybe_close()
             if not self.initialized:
                 raise StaleError("the global model is not initialized yet: push an init first")
-            version, payload = self._encoded_model()
-        header = m.ModelHeader(version, "fp32", len(payload), digest(payload))
-        yield from to_chunks(header, payload, self.cfg.chunk_bytes)
+            header, payload = self._model_payload(request)
+            session.version = header.version
+        with self._slot(self._sending, "downloads"):
+            yield from to_chunks(header, payload, self.cfg.chunk_bytes)
 
-    def _encoded_model(self) -> tuple[int, bytes]:
-        if self._model_cache is None or self._model_cache[0] != self.version:
-            assert self.params is not None
-            self._model_cache = (self.version, codec.encode(self.params, CodecConfig(name="fp32")))
-        return self._model_cache
+    @contextmanager
+    def _slot(self, limit: threading.BoundedSemaphore, what: str) -> Iterator[None]:
+        if not limit.acquire(timeout=self.cfg.rpc_timeout.total_seconds()):
+            raise UnavailableError(f"the parameter server is busy with other {what}; retry later")
+        try:
+            yield
+        finally:
+            limit.release()
 
-    def push_delta(self, chunks: Iterator[m.Chunk]) -> m.PushReply:
-        header, payload = collect(chunks, self.cfg.max_delta_bytes)
-        if not isinstance(header, m.PushHeader):
-            raise ProtocolError("a push must start with a push header")
+    def push_delta(self, chunks: Iterable[m.Chunk]) -> m.PushReply:
+        it = iter(chunks)
+        with self._slot(self._receiving, "pushes"):  # a waiting push is held back by flow control, unread
+            header, first = first_header(it, self.cfg.max_delta_bytes)
+            if not isinstance(header, m.PushHeader):
+                raise ProtocolError("a push must start with a push header, not a model header")
+            with self._cond:
+                session = self.sessions.get(header.session_id)
+                if not header.push_id:
+                    raise ProtocolError("push header has no push_id: set one so a retransmission is recognised")
+                replay = self._replay(header.push_id, session)
+                if replay is not None:
+                    return replay
+                try:
+                    self._precheck(header)
+                except GeofedError:
+                    session.refused += 1
+                    raise
+                self._inflight.add(header.push_id)
+            try:
+                path = self.staging.receive(header, first, it)
+            except BaseException as exc:
+                self._done(session, header.push_id, refused=isinstance(exc, GeofedError))
+                raise
+        try:
+            reply = self._decoders.submit(self._apply_staged, session, header, path).result()
+        except BaseException as exc:
+            self._done(session, header.push_id, refused=isinstance(exc, GeofedError))
+            raise
+        finally:
+            path.unlink(missing_ok=True)
+        self._done(session, header.push_id, refused=False)
+        return reply
+
+    def _done(self, session: Session, push_id: str, refused: bool) -> None:
         with self._cond:
-            session = self._session(header.session_id)
-            if header.push_id in self._push_ids:
-                logger.info("site %s resent push %s; not applied twice", session.site, header.push_id[:8])
-                previous = self._push_ids[header.push_id]
-                return m.PushReply(previous.accepted, self.version, previous.reason, previous.staleness, True)
-            if header.init:
-                return self._remember(header.push_id, self._init(session, payload))
-            if not self.initialized:
-                raise StaleError("the global model is not initialized yet: push an init first")
-            staleness = self.version - header.base_version
-            if staleness < 0:
-                raise ProtocolError(f"base version {header.base_version} is newer than the global {self.version}")
-            if staleness > self.cfg.max_staleness:
-                raise StaleError(f"delta is {staleness} versions stale (max {self.cfg.max_staleness}): pull again")
-            spec = self._expected_spec()
-        delta = codec.decode(payload, expected=spec)  # outside the lock: decoding is the slow part
+            session.refused += int(refused)
+            self._inflight.discard(push_id)
+            self._cond.notify_all()
+
+    def _replay(self, push_id: str, session: Session) -> m.PushReply | None:
+        """The reply for a push already handled (waiting while the same push is still being received)."""
+        deadline = time.monotonic() + self.cfg.rpc_timeout.total_seconds()
+        while push_id in self._inflight:
+            if time.monotonic() >= deadline:
+                raise UnavailableError(f"push {push_id[:8]} is still being received on another stream; retry")
+            self._cond.wait(0.5)
+        previous = self._push_ids.get(push_id)
+        if previous is None:
+            return None
+        logger.info("site %s resent push %s; not applied twice", session.site, push_id[:8])
+        reason = previous.reason or f"duplicate of push {push_id[:8]}, applied once at version {previous.version}"
+        return m.PushReply(previous.accepted, self.version, reason, previous.staleness, True)
+
+    def _precheck(self, h: m.PushHeader) -> None:
+        """Refuse what the header alone shows to be wrong, before any payload byte is read (hold the lock)."""
+        if h.local_steps < 0 or h.tokens < 0:
+            raise ProtocolError(f"local_steps ({h.local_steps}) and tokens ({h.tokens}) cannot be negative")
+        if h.init:
+            return
+        if not self.initialized:
+            raise StaleError("the global model is not initialized yet: push an init first")
+        if h.base_version > self.version:
+            raise StaleError(
+                f"base version {h.base_version} is newer than the global version {self.version} (a version from "
+                "the future; the PS may have restarted from an older snapshot): pull the model again"
+            )
+        staleness = self.version - h.base_version
+        if staleness > self.cfg.max_staleness:
+            raise StaleError(f"delta is {staleness} versions stale (max {self.cfg.max_staleness}): pull again")
+        if self.cfg.outer_optimizer == "fednova" and h.local_steps < 1:
+            raise ProtocolError("ps.outer_optimizer=fednova normalises by local steps: local_steps must be >= 1")
+        if self.cfg.weighting == "tokens" and h.tokens < 1:
+            raise ProtocolError("ps.weighting=tokens weights deltas by tokens: tokens must be >= 1")
+
+    def _apply_staged(self, session: Session, header: m.PushHeader, path: Path) -> m.PushReply:
+        payload = path.read_bytes()
+        path.unlink()
+        if header.init:
+            return self._apply_init(session, header, payload)
+        return self._apply_delta(session, header, payload)
+
+    def _decode(self, payload: bytes, header: m.PushHeader, expected: dict | None) -> Params:
+        """Decode a verified payload; its bytes arrived intact, so any fault is in what the site sent."""
+        try:
+            if codec.codec_name(payload) != header.codec:
+                raise ProtocolError(f"header says codec {header.codec!r}, payload is {codec.codec_name(payload)!r}")
+            return codec.decode(payload, expected=expected)
+        except CodecError as exc:
+            raise ProtocolError(f"delta refused: {exc}") from None
+
+    def _apply_init(self, session: Session, header: m.PushHeader, payload: bytes) -> m.PushReply:
+        params = self._decode(payload, header, None)
+        with self._cond:
+            if self.initialized:
+                reason = f"already initialized at version {self.version}: pull the global model"
+                return self._remember(header.push_id, m.PushReply(False, self.version, reason))
+            self._seed(params, max(0, header.base_version), f"site {session.site}")
+            return self._remember(header.push_id, m.PushReply(True, self.version))
+
+    def _apply_delta(self, session: Session, header: m.PushHeader, payload: bytes) -> m.PushReply:
+        delta = self._decode(payload, header, self._spec)
+        nbytes = len(payload)
+        del payload
+        prepared = self.rounds.prepare(delta, header.session_id, header.local_steps, header.tokens)
+        del delta
         with self._cond:
             staleness = self.version - header.base_version
-            if staleness > self.cfg.max_staleness:
+            if staleness > self.cfg.max_staleness or staleness < 0:
+                self.rounds.discard(prepared)
                 raise StaleError(f"delta is {staleness} versions stale (max {self.cfg.max_staleness}): pull again")
-            self._account(session, header)
-            weight = staleness_discount(staleness)
-            if self.settings.aggregation == "async":
-                assert self.params is not None
-                apply_update(self.params, delta, self.cfg.global_lr * weight)
-                self._new_version()
-            else:
-                self._round.acc.fold(delta, weight)
-                self._round.pushed.add(header.session_id)
-                if self._round.deadline is None:
-                    self._round.deadline = self._clock() + self.cfg.round_timeout.total_seconds()
-                self._maybe_close_round()
+            self.rounds.admit(prepared, staleness_discount(staleness))
+            session.pushes += 1
+            session.tokens += header.tokens
+            session.last_base_version = header.base_version
+            session.last_train_loss = header.train_loss
+            session.last_push, session.last_staleness = self._clock(), staleness
+            session.bytes_received += nbytes
+            self._maybe_close()
             logger.info(
-                "applied push from %s (base %d, staleness %d, %d bytes) -> version %d",
+                "push from %s (base %d, staleness %d, norm %.3g, %d bytes) accepted; version %d",
                 session.site,
                 header.base_version,
                 staleness,
-                len(payload),
+                prepared.norm,
+                nbytes,
                 self.version,
             )
             return self._remember(header.push_id, m.PushReply(True, self.version, "", staleness))
-
-    def _init(self, session: Session, payload: bytes) -> m.PushReply:
-        if self.initialized:
-            return m.PushReply(False, self.version, "already initialized")
-        self.params = codec.decode(payload)
-        self._snapshot()
-        self._cond.notify_all()
-        logger.info("global model initialized by %s: %d tensors", session.site, len(self.params))
-        return m.PushReply(True, self.version)
-
-    def _account(self, session: Session, header: m.PushHeader) -> None:
-        session.pushes += 1
-        session.tokens += header.tokens
-        session.last_base_version = header.base_version
-        session.last_train_loss = header.train_loss
 
     def _remember(self, push_id: str, reply: m.PushReply) -> m.PushReply:
         self._push_ids[push_id] = reply
         while len(self._push_ids) > MAX_REMEMBERED_PUSHES:
             self._push_ids.popitem(last=False)
         return reply
-
-    def _maybe_close_round(self) -> None:
-        r = self._round
-        if not round_complete(r.pushed, self._active(), self._clock(), r.deadline):
-            return
-        assert self.params is not None
-        count = r.acc.count
-        apply_update(self.params, r.acc.mean(), self.cfg.global_lr)
-        self._round = _Round()
-        self._new_version()
-        logger.info("round closed with %d deltas -> version %d", count, self.version)
-
-    def tick(self) -> None:
-        """Close a sync round whose deadline passed; called periodically by the server loop."""
-        with self._cond:
-            self._maybe_close_round()

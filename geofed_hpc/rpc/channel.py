@@ -12,15 +12,17 @@ from geofed_hpc.errors import ConfigError
 
 # Clients ping every 30 s, below the 60-350 s idle timeouts of common NATs and firewalls; the server
 # accepts pings that often so it never answers with GOAWAY "too_many_pings".
+# The server pings idle connections itself every minute so half-open ones (a site's NAT dropped them) close.
 CLIENT_KEEPALIVE_MS = 30_000
 SERVER_MIN_PING_INTERVAL_MS = 10_000
+SERVER_KEEPALIVE_MS = 60_000
 
 
-def client_options(cfg: PSConfig) -> list[tuple[str, Any]]:
+def client_options(cfg: PSConfig, keepalive_ms: int = CLIENT_KEEPALIVE_MS) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", cfg.max_message_bytes),
         ("grpc.max_receive_message_length", cfg.max_message_bytes),
-        ("grpc.keepalive_time_ms", CLIENT_KEEPALIVE_MS),
+        ("grpc.keepalive_time_ms", keepalive_ms),
         ("grpc.keepalive_timeout_ms", 20_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
@@ -36,8 +38,18 @@ def server_options(cfg: PSConfig) -> list[tuple[str, Any]]:
         ("grpc.http2.min_recv_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS),
         ("grpc.http2.min_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS),
         ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.keepalive_time_ms", SERVER_KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", 20_000),
         ("grpc.so_reuseport", 0),  # a port already in use must fail, not be shared silently
+        *_window(cfg),
     ]
+
+
+def _window(cfg: PSConfig) -> list[tuple[str, Any]]:
+    """A fixed receive window per stream (BDP probing off): a push waiting for its turn buffers at most that."""
+    if cfg.stream_window_bytes == 0:
+        return []
+    return [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", cfg.stream_window_bytes)]
 
 
 def _read(path: str, field: str) -> bytes:
@@ -50,8 +62,18 @@ def _read(path: str, field: str) -> bytes:
 
 
 def server_credentials(cfg: PSConfig) -> grpc.ServerCredentials:
-    return grpc.ssl_server_credentials([(_read(cfg.key_file, "ps.key_file"), _read(cfg.cert_file, "ps.cert_file"))])
+    """TLS with the PS certificate; with ps.client_ca_file, mutual TLS: sites without a cert it signed are refused."""
+    pair = [(_read(cfg.key_file, "ps.key_file"), _read(cfg.cert_file, "ps.cert_file"))]
+    if not cfg.client_ca_file:
+        return grpc.ssl_server_credentials(pair)
+    client_ca = _read(cfg.client_ca_file, "ps.client_ca_file")
+    return grpc.ssl_server_credentials(pair, root_certificates=client_ca, require_client_auth=True)
 
 
 def channel_credentials(cfg: PSConfig) -> grpc.ChannelCredentials:
-    return grpc.ssl_channel_credentials(root_certificates=_read(cfg.ca_file, "ps.ca_file"))
+    """Verify the PS against ps.ca_file; present ps.client_cert_file when the PS asks for mutual TLS."""
+    ca = _read(cfg.ca_file, "ps.ca_file")
+    if not cfg.client_cert_file:
+        return grpc.ssl_channel_credentials(root_certificates=ca)
+    key = _read(cfg.client_key_file, "ps.client_key_file")
+    return grpc.ssl_channel_credentials(ca, key, _read(cfg.client_cert_file, "ps.client_cert_file"))

@@ -116,11 +116,30 @@ class PSClient:
     def status(self) -> m.StatusReply:
         return self._call("Status", lambda: self._calls["Status"](m.StatusRequest(), timeout=self._timeout()))
 
+    def health(self, service: str = serde.SERVICE) -> str:
+        """The grpc.health.v1 status of `service` ("" for the whole server): SERVING, NOT_SERVING, ..."""
+        check = serde.health_check(self._channel)
+        return self._call("Health", lambda: check(service, self._timeout()))
+
     def pull_model(
-        self, session_id: str, min_version: int = 0, wait: timedelta = timedelta(0)
+        self,
+        session_id: str,
+        min_version: int = 0,
+        wait: timedelta = timedelta(0),
+        have_version: int | None = None,
     ) -> tuple[m.ModelHeader, bytes]:
-        """Stream the global model at a version >= min_version (waiting up to `wait` for it)."""
-        request = m.ModelRequest(session_id=session_id, min_version=min_version, wait_s=wait.total_seconds())
+        """Stream the global model at a version >= min_version (waiting up to `wait` for it).
+
+        With `have_version` the PS may answer with kind "updates": the encoded global updates since that
+        version, concatenated (header.segments holds their lengths), instead of the whole model.
+        """
+        request = m.ModelRequest(
+            session_id=session_id,
+            min_version=min_version,
+            wait_s=wait.total_seconds(),
+            have_version=have_version if have_version is not None else 0,
+            want_updates=have_version is not None,
+        )
         timeout = self._timeout() + wait.total_seconds()
 
         def pull() -> tuple[m.ModelHeader, bytes]:

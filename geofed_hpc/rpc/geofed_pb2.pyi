@@ -49,26 +49,36 @@ class JoinReply(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., rejoin_token: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., settings: _Optional[_Union[RunSettings, _Mapping]] = ...) -> None: ...
 
 class ModelRequest(_message.Message):
-    __slots__ = ("session_id", "min_version", "wait_s")
+    __slots__ = ("session_id", "min_version", "wait_s", "have_version", "want_updates")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WANT_UPDATES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     min_version: int
     wait_s: float
-    def __init__(self, session_id: _Optional[str] = ..., min_version: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    have_version: int
+    want_updates: bool
+    def __init__(self, session_id: _Optional[str] = ..., min_version: _Optional[int] = ..., wait_s: _Optional[float] = ..., have_version: _Optional[int] = ..., want_updates: _Optional[bool] = ...) -> None: ...
 
 class ModelHeader(_message.Message):
-    __slots__ = ("version", "codec", "total_bytes", "sha256")
+    __slots__ = ("version", "codec", "total_bytes", "sha256", "kind", "base_version", "segments")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     version: int
     codec: str
     total_bytes: int
     sha256: bytes
-    def __init__(self, version: _Optional[int] = ..., codec: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+    kind: str
+    base_version: int
+    segments: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., codec: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ..., kind: _Optional[str] = ..., base_version: _Optional[int] = ..., segments: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("session_id", "base_version", "local_steps", "tokens", "codec", "total_bytes", "sha256", "push_id", "init", "train_loss")
@@ -143,7 +153,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SiteStatus(_message.Message):
-    __slots__ = ("site", "session_id", "pushes", "last_base_version", "last_seen_s", "tokens", "last_train_loss")
+    __slots__ = ("site", "session_id", "pushes", "last_base_version", "last_seen_s", "tokens", "last_train_loss", "state", "last_push_s", "last_staleness", "bytes_received", "version", "refused")
     SITE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PUSHES_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +161,12 @@ class SiteStatus(_message.Message):
     LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LAST_TRAIN_LOSS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_PUSH_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     site: str
     session_id: str
     pushes: int
@@ -158,10 +174,16 @@ class SiteStatus(_message.Message):
     last_seen_s: float
     tokens: int
     last_train_loss: float
-    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., pushes: _Optional[int] = ..., last_base_version: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., tokens: _Optional[int] = ..., last_train_loss: _Optional[float] = ...) -> None: ...
+    state: str
+    last_push_s: float
+    last_staleness: int
+    bytes_received: int
+    version: int
+    refused: int
+    def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., pushes: _Optional[int] = ..., last_base_version: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., tokens: _Optional[int] = ..., last_train_loss: _Optional[float] = ..., state: _Optional[str] = ..., last_push_s: _Optional[float] = ..., last_staleness: _Optional[int] = ..., bytes_received: _Optional[int] = ..., version: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "initialized", "aggregation", "num_params", "uptime_s", "sites", "pending_deltas")
+    __slots__ = ("version", "initialized", "aggregation", "num_params", "uptime_s", "sites", "pending_deltas", "outer_optimizer", "robust", "active_sites", "snapshot_version", "updates_kept", "pushes_in_flight")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +191,12 @@ class StatusReply(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     SITES_FIELD_NUMBER: _ClassVar[int]
     PENDING_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    ROBUST_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SITES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_KEPT_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     version: int
     initialized: bool
     aggregation: str
@@ -176,4 +204,10 @@ class StatusReply(_message.Message):
     uptime_s: float
     sites: _containers.RepeatedCompositeFieldContainer[SiteStatus]
     pending_deltas: int
-    def __init__(self, version: _Optional[int] = ..., initialized: _Optional[bool] = ..., aggregation: _Optional[str] = ..., num_params: _Optional[int] = ..., uptime_s: _Optional[float] = ..., sites: _Optional[_Iterable[_Union[SiteStatus, _Mapping]]] = ..., pending_deltas: _Optional[int] = ...) -> None: ...
+    outer_optimizer: str
+    robust: str
+    active_sites: int
+    snapshot_version: int
+    updates_kept: int
+    pushes_in_flight: int
+    def __init__(self, version: _Optional[int] = ..., initialized: _Optional[bool] = ..., aggregation: _Optional[str] = ..., num_params: _Optional[int] = ..., uptime_s: _Optional[float] = ..., sites: _Optional[_Iterable[_Union[SiteStatus, _Mapping]]] = ..., pending_deltas: _Optional[int] = ..., outer_optimizer: _Optional[str] = ..., robust: _Optional[str] = ..., active_sites: _Optional[int] = ..., snapshot_version: _Optional[int] = ..., updates_kept: _Optional[int] = ..., pushes_in_flight: _Optional[int] = ...) -> None: ...

@@ -37,6 +37,8 @@ class ModelRequest:
     session_id: str
     min_version: int = 0
     wait_s: float = 0.0
+    have_version: int = 0
+    want_updates: bool = False
 
 
 @dataclass
@@ -45,6 +47,9 @@ class ModelHeader:
     codec: str
     total_bytes: int
     sha256: bytes
+    kind: str = "full"
+    base_version: int = 0
+    segments: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -107,6 +112,12 @@ class SiteStatus:
     last_seen_s: float = 0.0
     tokens: int = 0
     last_train_loss: float = 0.0
+    state: str = ""
+    last_push_s: float = -1.0
+    last_staleness: int = 0
+    bytes_received: int = 0
+    version: int = 0
+    refused: int = 0
 
 
 @dataclass
@@ -118,3 +129,9 @@ class StatusReply:
     uptime_s: float = 0.0
     sites: list[SiteStatus] = field(default_factory=list)
     pending_deltas: int = 0
+    outer_optimizer: str = ""
+    robust: str = ""
+    active_sites: int = 0
+    snapshot_version: int = -1
+    updates_kept: int = 0
+    pushes_in_flight: int = 0

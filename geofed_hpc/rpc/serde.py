@@ -9,12 +9,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from geofed_hpc.errors import ProtocolError
 from geofed_hpc.rpc import geofed_pb2 as pb
 from geofed_hpc.rpc import messages as m
 
 SERVICE = "geofed.v1.ParameterServer"
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
 
 def to_proto(obj: Any) -> Any:
@@ -34,7 +36,10 @@ def _fill(msg: Any, obj: Any) -> None:
         elif isinstance(value, list):
             target = getattr(msg, f.name)
             for item in value:
-                _fill(target.add(), item)
+                if dataclasses.is_dataclass(item):
+                    _fill(target.add(), item)
+                else:
+                    target.append(item)
         else:
             setattr(msg, f.name, value)
 
@@ -51,6 +56,8 @@ def from_proto(cls: type, msg: Any) -> Any:
             kwargs[f.name] = [from_proto(inner, item) for item in value]
         elif inner is not None:
             kwargs[f.name] = from_proto(inner, value) if msg.HasField(f.name) else None
+        elif typing.get_origin(hint) is list:
+            kwargs[f.name] = list(value)
         else:
             kwargs[f.name] = value
     return cls(**kwargs)
@@ -110,3 +117,38 @@ METHODS: tuple[Method, ...] = (
 def service_descriptor_methods() -> list[str]:
     """Method names as the generated descriptor declares them (a test compares with METHODS)."""
     return [meth.name for meth in pb.DESCRIPTOR.services_by_name["ParameterServer"].methods]
+
+
+# The standard gRPC health service (grpc.health.v1): its generated messages are touched here only.
+
+
+def health_servicer() -> Any:
+    """A grpc.health.v1 servicer reporting both the whole server ("") and geofed.v1 as NOT_SERVING."""
+    servicer = health.HealthServicer(experimental_non_blocking=True)
+    set_health(servicer, serving=False)
+    return servicer
+
+
+def add_health(server: Any, servicer: Any) -> None:
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+
+
+def set_health(servicer: Any, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE):
+        servicer.set(name, status)
+
+
+def health_check(channel: Any) -> Callable[[str, float], str]:
+    """A callable (service, timeout_s) -> status name ("SERVING", "NOT_SERVING", ...) over `channel`."""
+    call = channel.unary_unary(
+        HEALTH_CHECK,
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )
+
+    def check(service: str, timeout: float) -> str:
+        reply = call(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+
+    return check

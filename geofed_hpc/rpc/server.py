@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Protocol
 
 import grpc
@@ -86,10 +88,26 @@ def generic_handler(handler: Handler) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(serde.SERVICE, table)
 
 
-def start_server(handler: Handler, cfg: PSConfig, max_workers: int = 32) -> tuple[grpc.Server, int]:
-    """Bind host:port (0 picks a free port), start serving, and return the server and its port."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=server_options(cfg))
+@dataclass
+class RunningServer:
+    """A started gRPC server, its bound port and its grpc.health.v1 service."""
+
+    server: grpc.Server
+    port: int
+    health: Any
+
+    def drain(self, grace: timedelta) -> None:
+        """Report NOT_SERVING, refuse new RPCs, let the ones in flight finish within `grace`, then stop."""
+        serde.set_health(self.health, serving=False)
+        self.server.stop(grace.total_seconds()).wait()
+
+
+def start_server(handler: Handler, cfg: PSConfig) -> RunningServer:
+    """Bind host:port (0 picks a free port), start serving geofed.v1 and grpc.health.v1 (SERVING)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), options=server_options(cfg))
     server.add_generic_rpc_handlers((generic_handler(handler),))
+    health = serde.health_servicer()
+    serde.add_health(server, health)
     where = f"{cfg.host}:{cfg.port}"
     try:
         if cfg.insecure:
@@ -105,5 +123,6 @@ def start_server(handler: Handler, cfg: PSConfig, max_workers: int = 32) -> tupl
             "stop the other process or choose another port with ps.port=..."
         )
     server.start()
+    serde.set_health(health, serving=True)
     logger.info("parameter server listening on %s:%d (%s)", cfg.host, port, "plaintext" if cfg.insecure else "TLS")
-    return server, port
+    return RunningServer(server, port, health)

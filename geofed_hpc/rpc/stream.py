@@ -1,12 +1,14 @@
-"""Split a payload into ~1 MiB chunks behind a header, and reassemble and verify it."""
+"""Split a payload into ~1 MiB chunks behind a header, and reassemble and verify it as it streams."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from geofed_hpc.errors import CodecError, ProtocolError
 from geofed_hpc.rpc.messages import Chunk, ModelHeader, PushHeader
+
+Header = ModelHeader | PushHeader
 
 
 def digest(payload: bytes) -> bytes:
@@ -14,7 +16,7 @@ def digest(payload: bytes) -> bytes:
     return hashlib.sha256(payload).digest()
 
 
-def to_chunks(header: ModelHeader | PushHeader, payload: bytes, chunk_bytes: int) -> Iterator[Chunk]:
+def to_chunks(header: Header, payload: bytes, chunk_bytes: int) -> Iterator[Chunk]:
     """Yield the header in the first chunk, then `payload` in pieces of at most `chunk_bytes`."""
     view = memoryview(payload)
     first = view[:chunk_bytes].tobytes()
@@ -26,31 +28,56 @@ def to_chunks(header: ModelHeader | PushHeader, payload: bytes, chunk_bytes: int
         yield Chunk(data=view[start : start + chunk_bytes].tobytes())
 
 
-def collect(chunks: Iterable[Chunk], max_bytes: int) -> tuple[ModelHeader | PushHeader, bytes]:
-    """Reassemble a stream; raise unless the header is first and the length and checksum match."""
-    header: ModelHeader | PushHeader | None = None
-    parts: list[bytes] = []
+def first_header(chunks: Iterator[Chunk], max_bytes: int) -> tuple[Header, Chunk]:
+    """Read the first chunk of a stream; raise unless it carries a header announcing at most `max_bytes`."""
+    first = next(chunks, None)
+    if first is None:
+        raise ProtocolError("empty stream: no header chunk arrived")
+    header = first.model or first.push
+    if header is None:
+        raise ProtocolError("stream does not start with a header chunk")
+    if header.total_bytes < 0 or header.total_bytes > max_bytes:
+        raise ProtocolError(f"announced payload of {header.total_bytes} bytes exceeds the limit of {max_bytes}")
+    if len(header.sha256) != hashlib.sha256().digest_size:
+        raise ProtocolError(f"header sha256 must be 32 bytes, got {len(header.sha256)}")
+    return header, first
+
+
+def drain(header: Header, first: Chunk, rest: Iterable[Chunk], sink: Callable[[bytes], object]) -> None:
+    """Feed every chunk's bytes to `sink`, hashing as they pass; raise unless length and checksum match."""
+    hasher = hashlib.sha256()
     received = 0
-    for i, chunk in enumerate(chunks):
-        carried = chunk.model or chunk.push
-        if i == 0:
-            if carried is None:
-                raise ProtocolError("stream does not start with a header chunk")
-            header = carried
-            if header.total_bytes < 0 or header.total_bytes > max_bytes:
-                raise ProtocolError(f"announced payload of {header.total_bytes} bytes exceeds the limit of {max_bytes}")
-        elif carried is not None:
+    for i, chunk in enumerate(_chain(first, rest)):
+        if i > 0 and (chunk.model is not None or chunk.push is not None):
             raise ProtocolError(f"chunk {i} carries a second header")
         received += len(chunk.data)
-        assert header is not None
         if received > header.total_bytes:
             raise ProtocolError(f"stream carries more than the announced {header.total_bytes} bytes")
-        parts.append(chunk.data)
-    if header is None:
-        raise ProtocolError("empty stream: no header chunk arrived")
+        hasher.update(chunk.data)
+        sink(chunk.data)
     if received != header.total_bytes:
         raise CodecError(f"truncated stream: {received} of {header.total_bytes} announced bytes arrived")
-    payload = b"".join(parts)
-    if digest(payload) != header.sha256:
+    if hasher.digest() != header.sha256:
         raise CodecError("payload checksum mismatch: the bytes were corrupted in transit")
-    return header, payload
+
+
+def _chain(first: Chunk, rest: Iterable[Chunk]) -> Iterator[Chunk]:
+    yield first
+    yield from rest
+
+
+def collect(chunks: Iterable[Chunk], max_bytes: int) -> tuple[Header, bytes]:
+    """Reassemble a stream in memory; raise unless the header is first and the length and checksum match."""
+    it = iter(chunks)
+    header, first = first_header(it, max_bytes)
+    buf = bytearray(header.total_bytes)
+    view = memoryview(buf)
+    pos = 0
+
+    def put(data: bytes) -> None:
+        nonlocal pos
+        view[pos : pos + len(data)] = data
+        pos += len(data)
+
+    drain(header, first, it, put)
+    return header, buf  # type: ignore[return-value]  # a bytearray, filled in place (no second copy)

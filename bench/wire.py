@@ -1,0 +1,120 @@
+"""Wire benchmark: raw gRPC client-streaming vs a real PushDelta (PS-side verify, decode and fold) of the same bytes.
+
+Full size (~25M parameters):
+    python bench/wire.py --json wire.json
+Modest (this 2-core development machine):
+    python bench/wire.py --params 4e6 --repeats 3 --json wire.json
+
+Both go to one PS process (bench/ps_scale.py --serve): (a) a bare client-streaming method that parses and drops
+1 MiB chunks, (b) PushDelta into a buffered PS that folds every delta (no version bump, so nothing else runs).
+The payload is the encoded delta; its checksum is computed before timing, as a site does before it pushes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ps_scale import PSProcess, adam_like, model_shapes, seed  # noqa: E402
+
+from geofed_hpc import codec  # noqa: E402
+from geofed_hpc.config import CodecConfig, PSConfig  # noqa: E402
+from geofed_hpc.rpc import messages as m  # noqa: E402
+from geofed_hpc.rpc import serde  # noqa: E402
+from geofed_hpc.rpc.channel import client_options  # noqa: E402
+from geofed_hpc.rpc.client import PSClient  # noqa: E402
+from geofed_hpc.rpc.stream import digest, to_chunks  # noqa: E402
+
+
+def timed(fn: Any, repeats: int) -> float:
+    """Median seconds of `repeats` calls (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(codec_name: str, args: argparse.Namespace) -> dict[str, Any]:
+    shapes = model_shapes(args.params)
+    cfg = CodecConfig(name=codec_name, block_size=args.block_size)
+    payload = codec.encode(adam_like(shapes, seed=1), cfg)
+    sha = digest(payload)
+    chunk = PSConfig().chunk_bytes
+    ps = {"aggregation": "buffered", "buffer_size": 1_000_000, "round_timeout": "1h", "rpc_timeout": "1h"}
+    child = PSProcess(ps, {"name": codec_name, "block_size": args.block_size})
+    try:
+        with PSClient(PSConfig(rpc_timeout="1h"), child.address) as client:
+            client.connect()
+            seed(client, shapes)
+            session = client.join(m.JoinRequest("wire")).session_id
+            push = client._calls["PushDelta"]
+
+            def real_push() -> None:
+                header = m.PushHeader(session, 0, 1, 1, codec_name, len(payload), sha, uuid.uuid4().hex)
+                reply = push(to_chunks(header, payload, chunk), timeout=3600)
+                assert reply.accepted, reply.reason
+
+            with grpc.insecure_channel(child.sink_address, options=client_options(PSConfig())) as channel:
+                sink = channel.stream_unary(
+                    "/bench.Sink/Push",
+                    request_serializer=serde.serializer(m.Chunk),
+                    response_deserializer=serde.deserializer(m.PushReply),
+                )
+
+                def raw() -> None:
+                    header = m.PushHeader("raw", 0, 1, 1, codec_name, len(payload), sha, "raw")
+                    assert sink(to_chunks(header, payload, chunk), timeout=3600).version == len(payload)
+
+                raw_s = timed(raw, args.repeats)
+            push_s = timed(real_push, args.repeats)
+            rss = child.ask("rss")
+    finally:
+        child.close()
+    mb = len(payload) / 1e6
+    decode_s = timed(lambda: codec.decode(payload), args.repeats)
+    return {
+        "codec": codec_name,
+        "params": sum(v[0] if len(v) == 1 else v[0] * v[1] for v in shapes.values()),
+        "payload_mb": round(mb, 2),
+        "raw_mb_per_s": round(mb / raw_s, 1),
+        "push_mb_per_s": round(mb / push_s, 1),
+        "ratio": round(raw_s / push_s, 3),
+        "decode_only_mb_per_s": round(mb / decode_s, 1),
+        "ps_peak_rss_mb": round(rss["peak_rss_mb"], 1),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", type=Path, default=Path("wire.json"))
+    p.add_argument("--params", type=float, default=25e6)
+    p.add_argument("--codecs", default="int8,fp32", help="the first one fills the top-level fields of --json")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--block-size", type=int, default=1 << 16)
+    args = p.parse_args()
+    rows = [measure(name, args) for name in args.codecs.split(",")]
+    head = ("payload MB", "raw MB/s", "push MB/s", "ratio", "decode MB/s", "PS RSS MB")
+    print(f"{'codec':<8}" + "".join(f"{h:>12}" for h in head))
+    for r in rows:
+        keys = ("payload_mb", "raw_mb_per_s", "push_mb_per_s", "ratio", "decode_only_mb_per_s", "ps_peak_rss_mb")
+        print(f"{r['codec']:<8}" + "".join(f"{r[k]:>12}" for k in keys))
+    out = {k: rows[0][k] for k in ("raw_mb_per_s", "push_mb_per_s", "ratio")} | {"rows": rows}
+    args.json.write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.json}; target ratio >= 0.8 (push/raw, {rows[0]['codec']})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,417 @@
+"""The delta stream: a header frame, each tensor's pieces in ~1 MiB data frames, an end frame; bounded memory."""
+
+# Header body: stream id (8 bytes) | JSON {"codec", "block_size", "piece", "tensors": [{"name", "shape"}],
+#   "huffman": {"min", "scale", "lengths"} (paper_int8 only)}.
+# Data body: stream id | tensor u32 | piece u32 | part u32 | last u8 | bytes of the piece's blob, where the
+#   blob is the zstd frame of the piece's content (schemes.py), or for paper_int8 the huffman blob itself.
+# End body: stream id | frames before it u64 | values u64.
+# A piece is `piece` values (a whole number of blocks, about 64 MiB of float32); each is encoded, framed and
+# decoded on its own, so memory stays at a few pieces whatever the model size.
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from geofed_hpc.codec import frames, huffman, schemes
+from geofed_hpc.codec.frames import DATA, END, HEADER, FrameReader
+from geofed_hpc.codec.inputs import Tensor, pieces, tensors_of
+from geofed_hpc.codec.quant import block_minmax, block_scales, num_blocks
+from geofed_hpc.codec.zstdio import Inflater, compress_parts, compressor
+from geofed_hpc.config import CodecConfig
+from geofed_hpc.errors import CodecError
+from geofed_hpc.log import logger
+
+PIECE = 1 << 24  # values per piece (64 MiB of float32)
+FRAME = 1 << 20  # bytes of blob per data frame
+_DATA = struct.Struct("<8sIIIB")
+_END = struct.Struct("<8sQQ")
+_MAX_NDIM = 32
+_MAX_NUMEL = 1 << 40
+_MAX_BLOCK = 1 << 31
+_MAX_PIECE = 1 << 28
+
+Expected = Mapping[str, tuple[tuple[int, ...], str]]
+
+
+def piece_len(block_size: int) -> int:
+    """Values per piece for `block_size`: a whole number of blocks, about PIECE values."""
+    return max(block_size, PIECE // block_size * block_size)
+
+
+# ------------------------------------------------------------------------------------------------ encode
+
+
+Bounds = dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]
+_MAX_CACHED_BLOCKS = 1 << 20  # per-block min/max kept from the first pass up to this many blocks (8 MiB)
+
+
+def _scan(ts: list[Tensor], step: int, block_size: int) -> tuple[float, float, Bounds]:
+    """Min and max over every value, and per-piece block minima and maxima while they are few (a first pass).
+
+    CodecError names the tensor at a NaN or Inf.
+    """
+    keep = sum(num_blocks(t.numel, block_size) for t in ts) <= _MAX_CACHED_BLOCKS
+    lo, hi = math.inf, -math.inf
+    bounds: Bounds = {}
+    for ti, t in enumerate(ts):
+        for pi, (start, x) in enumerate(pieces(t, step)):
+            mins, maxs = block_minmax(x, block_size)
+            a, b = float(mins.min()), float(maxs.max())
+            if not (math.isfinite(a) and math.isfinite(b)):
+                t.refuse(x, start)
+            lo, hi = min(lo, a), max(hi, b)
+            if keep:
+                bounds[ti, pi] = (mins, maxs)
+            del x
+    return (lo, hi, bounds) if lo <= hi else (0.0, 0.0, bounds)
+
+
+def _plan(ts: list[Tensor], cfg: CodecConfig, step: int) -> tuple[schemes.Plan, dict[str, Any], Bounds]:
+    """The payload-wide plan (a first pass over the values where the codec needs one) and its header fields."""
+    rng = np.random.default_rng() if cfg.stochastic_rounding else None
+    plan = schemes.Plan(cfg.name, cfg.block_size, rng=rng)
+    if cfg.name not in schemes.MINMAX and cfg.name != "paper_int8":
+        return plan, {}, {}
+    lo, hi, bounds = _scan(ts, step, cfg.block_size if cfg.name in schemes.MINMAX else step)
+    plan.global_range = hi - lo
+    if cfg.name != "paper_int8":
+        return plan, {}, bounds
+    plan.rng = None
+    plan.paper_min = float(np.float32(lo))
+    plan.paper_scale = float(
+        block_scales(np.array([lo], np.float32), np.array([hi], np.float32), 255, plan.global_range)[0]
+    )
+    counts = np.zeros(256, np.int64)
+    for t in ts:
+        for _, x in pieces(t, step):
+            counts += np.bincount(schemes.paper_symbols(x, plan), minlength=256)
+    if not counts.any():
+        counts[0] = 1
+    plan.lengths = huffman.code_lengths(counts)
+    extra = {"min": plan.paper_min, "scale": plan.paper_scale, "lengths": plan.lengths.tolist()}
+    return plan, {"huffman": extra}, {}
+
+
+def _frame_parts(
+    tensors: Mapping[str, Any],
+    cfg: CodecConfig,
+    residual: MutableMapping[str, np.ndarray] | None = None,
+    frame_bytes: int = 0,
+) -> Iterator[list[bytes | memoryview]]:
+    """encode_frames, with each frame as the list of byte strings it joins (so encode copies once)."""
+    if cfg.name not in schemes.CODECS:
+        raise CodecError(
+            f"codec.name: {cfg.name!r} is not a wire codec; encode with one of {', '.join(schemes.CODECS)}"
+        )
+    ts = tensors_of(tensors)
+    step = piece_len(cfg.block_size)
+    plan, extra, bounds = _plan(ts, cfg, step)
+    cctx = compressor(cfg.zstd_level)
+    sid = os.urandom(8)
+    header = {
+        "codec": cfg.name,
+        "block_size": cfg.block_size,
+        "piece": step,
+        "tensors": [{"name": t.name, "shape": list(t.shape)} for t in ts],
+        **extra,
+    }
+    yield frames.pieces(HEADER, sid + json.dumps(header, separators=(",", ":")).encode())
+    count, total = 1, 0
+    for ti, t in enumerate(ts):
+        res = None
+        if residual is not None:
+            res = residual[t.name] = np.empty(t.shape, np.float32)
+        plan.row = t.row
+        for pi, (start, x) in enumerate(pieces(t, step)):
+            if cfg.name in ("fp32", "bf16") and not (np.isfinite(x.min()) and np.isfinite(x.max())):
+                t.refuse(x, start)
+            recon = np.empty(x.size, np.float32) if res is not None else None
+            content = schemes.encode(x, plan, recon, bounds.pop((ti, pi), None))
+            if res is not None and recon is not None:
+                np.subtract(x, recon, out=res.reshape(-1)[start : start + x.size])
+            parts = content if cfg.name == "paper_int8" else compress_parts(cctx, content)
+            total += x.size
+            del x, recon, content  # memory stays at a few pieces: drop this one before the next is read
+            for k, (blob, last) in enumerate(_split(parts, frame_bytes or FRAME)):
+                yield frames.pieces(DATA, _DATA.pack(sid, ti, pi, k, last), *blob)
+                count += 1
+    yield frames.pieces(END, _END.pack(sid, count, total))
+
+
+def _split(parts: Iterable[Any], size: int) -> Iterator[tuple[list[memoryview], bool]]:
+    """Re-cut a stream of byte parts into groups of `size` bytes (the last may be shorter), flagging the last."""
+    group: list[memoryview] = []
+    have = 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while have + len(view) > size:
+            take = size - have
+            yield [*group, view[:take]], False
+            group, have, view = [], 0, view[take:]
+        if len(view):
+            group.append(view)
+            have += len(view)
+    yield group, True
+
+
+def encode_frames(
+    tensors: Mapping[str, Any],
+    cfg: CodecConfig,
+    residual: MutableMapping[str, np.ndarray] | None = None,
+    frame_bytes: int = 0,
+) -> Iterator[bytes]:
+    """Frames of the encoded tensors (arrays or TensorSources), produced piece by piece.
+
+    Data frames carry `frame_bytes` (default FRAME) of blob each. With `residual`, each tensor's quantization
+    error (value - decoded value, float32, its shape) is stored there under its name. CodecError names a tensor
+    that is not float, holds NaN/Inf or is otherwise unusable.
+    """
+    for parts in _frame_parts(tensors, cfg, residual, frame_bytes):
+        yield b"".join(parts)
+
+
+def encode(
+    tensors: Mapping[str, Any], cfg: CodecConfig, residual: MutableMapping[str, np.ndarray] | None = None
+) -> bytes:
+    """The whole stream as one bytes object (see encode_frames)."""
+    out = b"".join(itertools.chain.from_iterable(_frame_parts(tensors, cfg, residual)))
+    logger.debug("codec %s: %d tensors -> %d bytes", cfg.name, len(tensors), len(out))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ decode
+
+
+@dataclass(frozen=True)
+class Header:
+    codec: str
+    block_size: int
+    piece: int
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    plan: schemes.Plan
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Decoded values [start, start + len(values)) of tensor `name`."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    values: np.ndarray
+
+
+def _is_int(value: object, low: int, high: int) -> bool:
+    return type(value) is int and low <= value <= high
+
+
+def _parse_header(body: memoryview) -> tuple[bytes, Header]:
+    sid = bytes(body[:8])
+    try:
+        raw = json.loads(bytes(body[8:]))
+    except (ValueError, RecursionError) as exc:
+        raise CodecError(f"header: not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise CodecError(f"header: expected a JSON object, got {type(raw).__name__}")
+    codec = raw.get("codec")
+    keys = {"codec", "block_size", "piece", "tensors"} | ({"huffman"} if codec == "paper_int8" else set())
+    if set(raw) != keys:
+        raise CodecError(f"header: expected keys {', '.join(sorted(keys))}; got {', '.join(sorted(raw))}")
+    if codec not in schemes.CODECS:
+        raise CodecError(f"header: codec {codec!r:.100} is unknown; expected one of {', '.join(schemes.CODECS)}")
+    block_size, piece, tensors = raw["block_size"], raw["piece"], raw["tensors"]
+    if not _is_int(block_size, 1, _MAX_BLOCK):
+        raise CodecError(f"header: block_size must be an integer in 1..{_MAX_BLOCK}, got {block_size!r:.100}")
+    if not (_is_int(piece, block_size, max(block_size, _MAX_PIECE)) and piece % block_size == 0):
+        raise CodecError(f"header: piece must be a multiple of block_size up to {_MAX_PIECE}, got {piece!r:.100}")
+    if not isinstance(tensors, list):
+        raise CodecError(f"header: tensors must be a list, got {type(tensors).__name__}")
+    names, shapes = [], []
+    for i, entry in enumerate(tensors):
+        name, shape = _parse_entry(entry, i)
+        if name in names:
+            raise CodecError(f"header: tensor {name!r} appears more than once")
+        names.append(name)
+        shapes.append(shape)
+    plan = schemes.Plan(codec, block_size)
+    if codec == "paper_int8":
+        h = raw["huffman"]
+        if not (isinstance(h, dict) and set(h) == {"min", "scale", "lengths"}):
+            raise CodecError("header: huffman must be an object with keys lengths, min, scale")
+        if not all(type(h[k]) in (int, float) and math.isfinite(h[k]) for k in ("min", "scale")) or h["scale"] < 0:
+            raise CodecError("header: huffman.min and huffman.scale must be finite numbers (scale >= 0)")
+        plan.paper_min, plan.paper_scale = float(h["min"]), float(h["scale"])
+        plan.lengths = huffman.check_lengths(h["lengths"])
+    return sid, Header(codec, block_size, piece, names, shapes, plan)
+
+
+def _parse_entry(raw: object, index: int) -> tuple[str, tuple[int, ...]]:
+    where = f"header: tensors[{index}]"
+    if not isinstance(raw, dict) or set(raw) != {"name", "shape"}:
+        raise CodecError(f"{where}: expected an object with keys name, shape; got {raw!r:.200}")
+    name, shape = raw["name"], raw["shape"]
+    if not isinstance(name, str):
+        raise CodecError(f"{where}: name must be a string, got {name!r:.100}")
+    if not (isinstance(shape, list) and len(shape) <= _MAX_NDIM and all(_is_int(d, 0, _MAX_NUMEL) for d in shape)):
+        raise CodecError(f"header: tensor {name!r}: shape must be a list of at most {_MAX_NDIM} sizes >= 0")
+    if math.prod(shape) > _MAX_NUMEL:
+        raise CodecError(f"header: tensor {name!r}: shape {shape} has more than {_MAX_NUMEL} elements")
+    return name, tuple(shape)
+
+
+def _check_expected(h: Header, expected: Expected) -> None:
+    got = dict(zip(h.names, h.shapes, strict=True))
+    missing = [repr(n) for n in expected if n not in got]
+    extra = [repr(n) for n in got if n not in expected]
+    mismatched = [
+        f"{name!r} is {list(got[name])} float32, expected {list(shape)} {dtype}"
+        for name, (shape, dtype) in expected.items()
+        if name in got and (got[name] != tuple(shape) or dtype != "float32")
+    ]
+    problems = [f"{label}: {', '.join(items)}" for label, items in (("missing", missing), ("extra", extra),
+                ("mismatched", mismatched)) if items]  # fmt: skip
+    if problems:
+        raise CodecError("payload does not hold the expected tensors; " + "; ".join(problems))
+
+
+Target = Callable[[str, tuple[int, ...], int, int], np.ndarray]
+
+
+class StreamDecoder:
+    """Decodes a stream from byte chunks of any size, piece by piece; `header` is set once it is read."""
+
+    def __init__(self, expected: Expected | None = None) -> None:
+        self.expected = expected
+        self.header: Header | None = None
+
+    def pieces(self, chunks: Iterable[object], target: Target | None = None) -> Iterator[Piece]:
+        """Each decoded piece in order; `target(name, shape, start, n)` may supply the float32 array to fill."""
+        reader = FrameReader(chunks)
+        first = reader.next()
+        if first is None:
+            raise CodecError("payload truncated: it is empty (no header frame)")
+        if first.kind != HEADER:
+            raise CodecError(f"frame 0: expected the header frame, got a {frames.KINDS[first.kind]} frame")
+        sid, h = _parse_header(first.body)
+        if self.expected is not None:
+            _check_expected(h, self.expected)
+        self.header = h
+        total = 0
+        for ti, (name, shape) in enumerate(zip(h.names, h.shapes, strict=True)):
+            numel = math.prod(shape)
+            h.plan.row = shape[-1] if len(shape) >= 2 else 0
+            for pi, start in enumerate(range(0, numel, h.piece)):
+                n = min(h.piece, numel - start)
+                out = target(name, shape, start, n) if target else np.empty(n, np.float32)
+                self._piece(reader, sid, h, ti, pi, start, out)
+                total += n
+                yield Piece(name, shape, start, out)
+                del out  # the caller holds it if it wants it
+        end = reader.next()
+        if end is None or end.kind != END:
+            got = "the end of the payload" if end is None else f"a {frames.KINDS[end.kind]} frame"
+            raise CodecError(f"frame {reader.index}: expected the end frame, got {got} (truncated or corrupt)")
+        e_sid, e_count, e_total = _END.unpack(end.body) if len(end.body) == _END.size else (b"", -1, -1)
+        if e_sid != sid or e_count != end.index or e_total != total:
+            raise CodecError(f"frame {end.index}: end frame does not match the stream (another payload's, or corrupt)")
+        if reader.next() is not None:
+            raise CodecError(f"payload: trailing frame after the end frame at byte {reader.offset}")
+
+    def _piece(self, reader: FrameReader, sid: bytes, h: Header, ti: int, pi: int, start: int, out: np.ndarray) -> None:
+        name = h.names[ti]
+        what = f"tensor {name!r}"
+        raw = h.codec == "paper_int8"
+        n = out.size
+        if raw:
+            limit = 2 * -(-n // huffman.SEGMENT) + -(-n * huffman.MAX_LEN // 8)
+            blob = bytearray()
+        else:
+            size = schemes.content_size(h.plan, n)
+            content = np.empty(size, np.uint8)
+            sink = Inflater(content, what)
+        for k in range(1 << 32):
+            try:
+                frame = reader.next()
+            except CodecError as exc:
+                raise CodecError(f"{what} piece {pi}: {exc}") from None
+            if frame is None:
+                raise CodecError(f"payload truncated: {what} piece {pi} part {k} never arrived")
+            if frame.kind != DATA or len(frame.body) < _DATA.size:
+                got = frames.KINDS[frame.kind]
+                raise CodecError(f"frame {frame.index}: expected data of {what} piece {pi}, got a {got} frame")
+            f_sid, f_t, f_p, f_k, last = _DATA.unpack_from(frame.body)
+            if f_sid != sid:
+                raise CodecError(f"frame {frame.index}: belongs to another payload (stream id differs); {what}")
+            if (f_t, f_p, f_k) != (ti, pi, k) or last > 1:
+                raise CodecError(
+                    f"frame {frame.index}: expected {what} piece {pi} part {k}, got tensor #{f_t} piece {f_p} "
+                    f"part {f_k} (frames lost, reordered or corrupt)"
+                )
+            data = frame.body[_DATA.size :]
+            if raw:
+                if len(blob) + len(data) > limit:
+                    raise CodecError(f"{what}: piece {pi} is longer than {n} huffman codes can be")
+                blob += data
+            else:
+                sink.feed(data)
+            if last:
+                break
+        if raw:
+            schemes.decode(np.frombuffer(bytes(blob), np.uint8), h.plan, out, what, start)
+        else:
+            sink.finish()
+            schemes.decode(content, h.plan, out, what, start)
+
+
+def _alloc(shape: tuple[int, ...], what: str) -> np.ndarray:
+    try:
+        return np.empty(shape, np.float32)
+    except (MemoryError, ValueError) as exc:
+        raise CodecError(f"{what}: cannot allocate {math.prod(shape)} float32 values ({exc})") from exc
+
+
+def decode(payload: object, expected: Expected | None = None) -> dict[str, np.ndarray]:
+    """Float32 tensors of a payload (bytes, or an iterable of byte chunks), in encoded order.
+
+    With `expected` (name -> (shape, dtype)) names and shapes must match before anything is allocated: pass it
+    whenever the payload comes from an untrusted peer. Every malformed input raises CodecError.
+    """
+    chunks = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else payload
+    if not isinstance(chunks, Iterable) or isinstance(payload, str):
+        raise CodecError(f"payload: expected bytes, got {type(payload).__name__}")
+    arrays: dict[str, np.ndarray] = {}
+
+    def target(name: str, shape: tuple[int, ...], start: int, n: int) -> np.ndarray:
+        if name not in arrays:
+            arrays[name] = _alloc(shape, f"tensor {name!r}")
+        return arrays[name].reshape(-1)[start : start + n]
+
+    dec = StreamDecoder(expected)
+    for _ in dec.pieces(chunks, target):
+        pass
+    assert dec.header is not None
+    return {
+        n: arrays[n] if n in arrays else np.zeros(s, np.float32)
+        for n, s in zip(dec.header.names, dec.header.shapes, strict=True)
+    }
+
+
+def codec_name(payload: object) -> str:
+    """The codec a payload was encoded with, read from its (checked) header frame alone."""
+    chunks = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else payload
+    if not isinstance(chunks, Iterable) or isinstance(payload, str):
+        raise CodecError(f"payload: expected bytes, got {type(payload).__name__}")
+    first = FrameReader(chunks).next()
+    if first is None or first.kind != HEADER:
+        raise CodecError("payload: does not start with a header frame")
+    return _parse_header(first.body)[1].codec

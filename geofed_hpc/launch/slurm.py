@@ -1,0 +1,181 @@
+"""Submit site jobs to Slurm through submitit, and ask Slurm about them (squeue, sacct where it exists, scontrol)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import submitit
+from submitit.core.utils import FailedJobError
+
+from geofed_hpc.client.job import ClientJob
+from geofed_hpc.config import RunConfig, to_dict
+from geofed_hpc.errors import LaunchError
+from geofed_hpc.launch.executor import (
+    check_slurm_site,
+    clean_environment,
+    job_folder,
+    python_command,
+    sbatch_parameters,
+    shared_fs_warning,
+    site_names,
+    site_run_dir,
+)
+from geofed_hpc.launch.manifest import JobRecord
+from geofed_hpc.log import logger
+
+COMMAND_TIMEOUT = timedelta(seconds=30)
+# States a job passes through on its way back to RUNNING: never shown as failed.
+TRANSIENT = frozenset(
+    {
+        "PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "RESIZING", "SIGNALING",
+        "STAGE_OUT", "PREEMPTED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD",
+    }
+)  # fmt: skip
+WHY = {
+    "PREEMPTED": "preempted; Slurm requeues it and it resumes from its checkpoint",
+    "REQUEUED": "requeued; it resumes from its checkpoint",
+    "REQUEUE_HOLD": "requeued and held; `scontrol release` it",
+    "TIMEOUT": "hit its time limit more than site.max_requeues times",
+}
+
+
+@dataclass
+class JobState:
+    """What the scheduler says about one job, and which command said it."""
+
+    job_id: str
+    state: str
+    source: str
+    reason: str = ""
+    elapsed: str = ""
+
+    @property
+    def active(self) -> bool:
+        return self.state in TRANSIENT or self.state == "UNKNOWN"
+
+    def describe(self) -> str:
+        note = WHY.get(self.state) or (self.reason if self.reason not in ("", "None") else "")
+        return f"{self.state} ({note})" if note else self.state
+
+
+def require(command: str, why: str) -> str:
+    """The full path of `command`, or a LaunchError saying what was looked for and why."""
+    found = shutil.which(command)
+    if found is None:
+        raise LaunchError(
+            f"`{command}` not found on PATH ({why}); run this on the cluster's login node, "
+            "or load its Slurm module first (`module load slurm`)"
+        )
+    return found
+
+
+@contextlib.contextmanager
+def submission_environment() -> Iterator[list[str]]:
+    """Drop SLURM_* variables inherited from an enclosing allocation while submitting; restore them after."""
+    saved = dict(os.environ)
+    clean = clean_environment(saved)
+    dropped = sorted(set(saved) - set(clean))
+    if dropped:
+        logger.info("submitting without inherited %s", ", ".join(dropped))
+    os.environ.clear()
+    os.environ.update(clean)
+    try:
+        yield dropped
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Everything that can be refused before submitting: the site's arithmetic, and Slurm's commands."""
+    check_slurm_site(cfg)
+    require("sbatch", f"site.executor=slurm: site {cfg.site.name!r} submits its jobs with sbatch")
+    require("srun", "submitit's SlurmExecutor refuses to start without it")
+
+
+def submit_site(cfg: RunConfig, ps_address: str) -> list[JobRecord]:
+    """Submit one ClientJob per site of `cfg.site` into the fixed run directory; return what was submitted."""
+    preflight(cfg)
+    run_dir = site_run_dir(cfg)
+    if not cfg.site.shared_fs:
+        warning = shared_fs_warning(run_dir, Path("/proc/mounts").read_text() if Path("/proc/mounts").exists() else "")
+        if warning:
+            logger.warning("%s", warning)
+    plain = to_dict(cfg)
+    plain["run_dir"] = str(run_dir)
+    records = []
+    with submission_environment():
+        for index, name in enumerate(site_names(cfg)):
+            executor = submitit.SlurmExecutor(
+                folder=job_folder(run_dir, name), max_num_timeout=cfg.site.max_requeues, python=python_command(cfg)
+            )
+            executor.update_parameters(**sbatch_parameters(cfg, index))
+            try:
+                job = executor.submit(ClientJob(plain, index, ps_address))
+            except (subprocess.CalledProcessError, FailedJobError) as exc:
+                detail = getattr(exc, "stderr", None) or getattr(exc, "output", None) or str(exc)
+                if isinstance(detail, bytes):
+                    detail = detail.decode(errors="replace")
+                raise LaunchError(f"sbatch refused site {name}: {str(detail).strip().splitlines()[-1]}") from None
+            records.append(
+                JobRecord(name, str(job.job_id), cfg.site.name, "slurm", str(job.paths.stdout), str(job.paths.stderr))
+            )
+    return records
+
+
+def _run(args: Sequence[str]) -> subprocess.CompletedProcess[str] | None:
+    if shutil.which(args[0]) is None:
+        return None
+    try:
+        return subprocess.run(
+            list(args), capture_output=True, text=True, timeout=COMMAND_TIMEOUT.total_seconds(), check=False
+        )
+    except subprocess.TimeoutExpired:
+        logger.warning("%s did not answer within %s", args[0], COMMAND_TIMEOUT)
+        return None
+
+
+def job_states(job_ids: Sequence[str]) -> dict[str, JobState]:
+    """State of each job: squeue (live and recently ended), then sacct (if the cluster has it), then scontrol."""
+    states: dict[str, JobState] = {}
+    ids = [str(j) for j in job_ids]
+    if not ids:
+        return states
+    out = _run(["squeue", "-h", "-t", "all", "-j", ",".join(ids), "-o", "%i|%T|%M|%r"])
+    for line in out.stdout.splitlines() if out else []:
+        parts = line.strip().split("|")
+        if len(parts) == 4 and parts[0] in ids:
+            states[parts[0]] = JobState(parts[0], parts[1], "squeue", parts[3], parts[2])
+    missing = [j for j in ids if j not in states]
+    if missing:
+        out = _run(["sacct", "-X", "-n", "-P", "-j", ",".join(missing), "-o", "JobIDRaw,State,Elapsed"])
+        for line in out.stdout.splitlines() if out and out.returncode == 0 else []:
+            parts = line.strip().split("|")
+            if len(parts) == 3 and parts[0] in missing:
+                states[parts[0]] = JobState(parts[0], parts[1].split()[0], "sacct", "", parts[2])
+    for job_id in [j for j in ids if j not in states]:
+        out = _run(["scontrol", "-o", "show", "job", job_id])
+        fields = dict(t.split("=", 1) for t in out.stdout.split() if "=" in t) if out and out.returncode == 0 else {}
+        if "JobState" in fields:
+            states[job_id] = JobState(job_id, fields["JobState"], "scontrol", fields.get("Reason", ""))
+        else:
+            states[job_id] = JobState(job_id, "UNKNOWN", "none", "no longer known to squeue, sacct or scontrol")
+    return states
+
+
+def cancel_jobs(job_ids: Sequence[str]) -> None:
+    """scancel: each job gets SIGTERM, checkpoints at its next step and ends (it is not requeued)."""
+    if job_ids:
+        scancel = require("scancel", "`cancel` stops Slurm jobs with scancel")
+        out = subprocess.run(
+            [scancel, *job_ids], capture_output=True, text=True, timeout=COMMAND_TIMEOUT.total_seconds(), check=False
+        )
+        if out.returncode != 0:
+            raise LaunchError(f"scancel {' '.join(job_ids)} failed: {out.stderr.strip() or out.stdout.strip()}")

@@ -1,0 +1,163 @@
+"""Load a local Hugging Face-format safetensors checkpoint (GPT-2 or Llama names) into our models."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from geofed_hpc.config import ModelConfig
+from geofed_hpc.errors import ConfigError
+from geofed_hpc.log import logger
+
+# (pattern on the Hugging Face name, our name template, transpose?) — GPT-2's Conv1D stores [in, out].
+_GPT2 = [
+    (r"wte\.weight", "wte.weight", False),
+    (r"wpe\.weight", "wpe.weight", False),
+    (r"h\.(\d+)\.ln_1\.(weight|bias)", "blocks.{0}.ln1.{1}", False),
+    (r"h\.(\d+)\.ln_2\.(weight|bias)", "blocks.{0}.ln2.{1}", False),
+    (r"h\.(\d+)\.attn\.c_attn\.weight", "blocks.{0}.attn.qkv.weight", True),
+    (r"h\.(\d+)\.attn\.c_attn\.bias", "blocks.{0}.attn.qkv.bias", False),
+    (r"h\.(\d+)\.attn\.c_proj\.weight", "blocks.{0}.attn.proj.weight", True),
+    (r"h\.(\d+)\.attn\.c_proj\.bias", "blocks.{0}.attn.proj.bias", False),
+    (r"h\.(\d+)\.mlp\.c_fc\.weight", "blocks.{0}.mlp.fc.weight", True),
+    (r"h\.(\d+)\.mlp\.c_fc\.bias", "blocks.{0}.mlp.fc.bias", False),
+    (r"h\.(\d+)\.mlp\.c_proj\.weight", "blocks.{0}.mlp.proj.weight", True),
+    (r"h\.(\d+)\.mlp\.c_proj\.bias", "blocks.{0}.mlp.proj.bias", False),
+    (r"ln_f\.(weight|bias)", "ln_f.{0}", False),
+    (r"lm_head\.weight", "lm_head.weight", False),
+]
+_LLAMA = [
+    (r"model\.embed_tokens\.weight", "wte.weight", False),
+    (r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.weight", "blocks.{0}.attn.{1}.weight", False),
+    (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", "blocks.{0}.ffn.{1}.weight", False),
+    (r"model\.layers\.(\d+)\.input_layernorm\.weight", "blocks.{0}.attn_norm.weight", False),
+    (r"model\.layers\.(\d+)\.post_attention_layernorm\.weight", "blocks.{0}.ffn_norm.weight", False),
+    (r"model\.norm\.weight", "norm.weight", False),
+    (r"lm_head\.weight", "lm_head.weight", False),
+]
+_RULES = {"gpt2": _GPT2, "llama": _LLAMA}
+# Buffers some exports carry that are not parameters.
+_IGNORED = re.compile(r"(.*\.attn\.(masked_)?bias|.*\.rotary_emb\.inv_freq)$")
+# Hugging Face config.json keys -> ours, per architecture (checked when the file is there).
+_CONFIG_KEYS = {
+    "gpt2": {"vocab_size": "vocab_size", "n_embd": "d_model", "n_layer": "n_layers", "n_head": "n_heads"},
+    "llama": {
+        "vocab_size": "vocab_size",
+        "hidden_size": "d_model",
+        "num_hidden_layers": "n_layers",
+        "num_attention_heads": "n_heads",
+        "num_key_value_heads": "kv_heads",
+        "intermediate_size": "d_ff",
+        "rope_theta": "rope_theta",
+        "rms_norm_eps": "norm_eps",
+        "tie_word_embeddings": "tie_embeddings",
+    },
+}
+
+
+def map_name(arch: str, hf_name: str) -> tuple[str, bool] | None:
+    """(our parameter name, transpose?) for a Hugging Face tensor name, or None when it has no counterpart."""
+    name = hf_name.removeprefix("transformer.") if arch == "gpt2" else hf_name
+    for pattern, template, transpose in _RULES[arch]:
+        match = re.fullmatch(pattern, name)
+        if match:
+            return template.format(*match.groups()), transpose
+    return None
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The .safetensors files of a checkpoint: the file itself, the index's shards, or every file in the folder."""
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise ConfigError(f"model.init_from: {path} is not a .safetensors file or a folder holding them")
+        return [path]
+    if not path.is_dir():
+        raise ConfigError(f"model.init_from: {path} does not exist; give a .safetensors file or a folder")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"model.init_from: {index} is not a safetensors index ({exc})") from exc
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model.init_from: no .safetensors files in {path}")
+    return files
+
+
+def _check_config(cfg: ModelConfig, folder: Path) -> None:
+    file = folder / "config.json"
+    if not file.is_file():
+        return
+    try:
+        hf = json.loads(file.read_text())
+    except ValueError as exc:
+        raise ConfigError(f"model.init_from: {file} is not valid JSON ({exc})") from exc
+    for hf_key, ours in _CONFIG_KEYS[cfg.arch].items():
+        if hf_key in hf and hf[hf_key] != getattr(cfg, ours):
+            field = "n_kv_heads" if ours == "kv_heads" else ours
+            raise ConfigError(
+                f"model.{field}: is {getattr(cfg, ours)!r} but the checkpoint's {file} has {hf_key}={hf[hf_key]!r}; "
+                "use the model config that matches the checkpoint"
+            )
+
+
+def load_hf_checkpoint(model: nn.Module, path: str | Path) -> None:
+    """Copy every parameter of `model` (GPT or Llama) from the Hugging Face-format checkpoint at `path`."""
+    cfg: ModelConfig = model.cfg  # type: ignore[assignment]
+    path = Path(path).expanduser()
+    files = checkpoint_files(path)
+    _check_config(cfg, path if path.is_dir() else path.parent)
+    params = dict(model.named_parameters())
+    done: set[str] = set()
+    lm_head: tuple[torch.Tensor, Path] | None = None
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():  # noqa: SIM118 - safe_open has keys(), not __iter__
+                mapped = map_name(cfg.arch, hf_name)
+                if mapped is None:
+                    if _IGNORED.fullmatch(hf_name):
+                        continue
+                    other = next((a for a in _RULES if a != cfg.arch and map_name(a, hf_name)), None)
+                    hint = f"it looks like a {other} checkpoint: set model.arch={other}" if other else "unknown name"
+                    raise ConfigError(
+                        f"model.init_from: {file} holds {hf_name!r} which model.arch={cfg.arch} lacks ({hint})"
+                    )
+                name, transpose = mapped
+                tensor = f.get_tensor(hf_name)
+                if name == "lm_head.weight" and cfg.tie_embeddings:
+                    lm_head = (tensor, file)  # compared with the embedding once that is loaded
+                    continue
+                _copy(params, name, tensor.t() if transpose else tensor, file, hf_name)
+                done.add(name)
+    if lm_head is not None and not torch.equal(lm_head[0].to(params["wte.weight"].dtype), params["wte.weight"].data):
+        raise ConfigError(
+            f"model.tie_embeddings: is true but {lm_head[1]} holds an lm_head.weight different from the token "
+            "embedding; set model.tie_embeddings=false"
+        )
+    missing = sorted(set(params) - done)
+    if missing:
+        raise ConfigError(
+            f"model.init_from: {path} lacks {len(missing)} of the model's tensors, e.g. {missing[:3]} "
+            "(a checkpoint of a smaller model, or of another architecture?)"
+        )
+    logger.info("loaded %d tensors from the Hugging Face checkpoint %s", len(done), path)
+
+
+def _copy(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, file: Path, hf_name: str) -> None:
+    param = params.get(name)
+    if param is None:
+        raise ConfigError(f"model.init_from: {file} holds {hf_name!r} ({name}) which this model config does not have")
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ConfigError(
+            f"model.init_from: {file} tensor {hf_name!r} has shape {tuple(tensor.shape)} but {name} needs "
+            f"{tuple(param.shape)}; use the model config that matches the checkpoint"
+        )
+    with torch.no_grad():
+        param.copy_(tensor.to(param.dtype))

@@ -1,0 +1,164 @@
+"""A Llama 3 style causal decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU), written here (no hub)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from geofed_hpc.config import ModelConfig
+from geofed_hpc.errors import ConfigError
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] for RoPE base rope_theta, with Llama 3 scaling when rope_scaling > 1."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if cfg.rope_scaling > 1.0:
+        # Llama 3.1+ "llama3" rope_type: low_freq_factor 1, high_freq_factor 4 (as the published configs set).
+        low_factor, high_factor, old = 1.0, 4.0, float(cfg.rope_original_context)
+        low_wavelen, high_wavelen = old / low_factor, old / high_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - low_factor) / (high_factor - low_factor)
+        mid = (1 - smooth) * inv / cfg.rope_scaling + smooth * inv
+        inv = torch.where(wavelen > low_wavelen, inv / cfg.rope_scaling, torch.where(wavelen < high_wavelen, inv, mid))
+    return inv.float()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE in the half-split layout (Hugging Face's rotate_half): x [b, h, t, d], cos/sin [t, d/2]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention: n_heads query heads share n_kv_heads key/value heads."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        self.q = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.v = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.o = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = rotate(self.q(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
+        k = rotate(self.k(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2), cos, sin)
+        v = self.v(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.n_kv != self.n_heads:
+            k = k.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+            v = v.repeat_interleave(self.n_heads // self.n_kv, dim=1)
+        drop = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.up = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class LlamaBlock(nn.Module):
+    """x + attn(attn_norm(x)), then x + ffn(ffn_norm(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn = FeedForward(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), cos, sin))
+        return x + self.drop(self.ffn(self.ffn_norm(x)))
+
+
+class Llama(nn.Module):
+    """Token embedding (wte), `cfg.n_layers` LlamaBlocks (self.blocks), final RMSNorm, LM head (tied or not)."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList([LlamaBlock(cfg) for _ in range(cfg.n_layers)])
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """N(0, 0.02) weights, output projections scaled by 1/sqrt(2 * n_layers), unit norms; RoPE recomputed."""
+        resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                if module is self.lm_head and self.cfg.tie_embeddings:
+                    continue
+                std = resid_std if name.endswith((".attn.o", ".ffn.down")) else 0.02
+                nn.init.normal_(module.weight, 0.0, std, generator=generator)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, 0.02, generator=generator)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute the RoPE frequencies (after `to_empty`, which leaves buffers unset)."""
+        self.inv_freq.copy_(rope_frequencies(self.cfg).to(self.inv_freq.device))
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [B, T, vocab] and, given targets [B, T], the mean cross-entropy (targets of -1 are ignored)."""
+        if idx.dim() != 2:
+            raise ValueError(f"idx must be [batch, sequence] token ids, got shape {tuple(idx.shape)}")
+        t = idx.size(1)
+        if t > self.cfg.context:
+            raise ConfigError(
+                f"sequence length {t} exceeds model.context={self.cfg.context}; "
+                "feed shorter windows or raise model.context"
+            )
+        angles = torch.outer(torch.arange(t, device=idx.device, dtype=torch.float32), self.inv_freq.float())
+        cos, sin = angles.cos(), angles.sin()
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
+        return logits, loss

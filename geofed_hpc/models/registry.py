@@ -1,0 +1,48 @@
+"""Build the model class a ModelConfig's `arch` names (gpt2, llama), on any device, deterministically."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from geofed_hpc.config import ModelConfig
+from geofed_hpc.errors import ConfigError
+from geofed_hpc.models.gpt import GPT
+from geofed_hpc.models.llama import Llama
+
+ARCHS: dict[str, Callable[[ModelConfig], nn.Module]] = {"gpt2": GPT, "llama": Llama}
+
+
+def build_model(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu", init: bool = True) -> nn.Module:
+    """The `cfg.arch` model with deterministic init for `seed` (global RNG untouched), weights from
+    `cfg.init_from` when set. device="meta" allocates nothing (shapes and parameter counts only); init=False
+    allocates without initialising (for weights that are loaded next: saves seconds on large models)."""
+    try:
+        cls = ARCHS[cfg.arch]
+    except KeyError:
+        raise ConfigError(f"model.arch: no model for {cfg.arch!r}; known: {', '.join(ARCHS)}") from None
+    if not init and torch.device(device).type != "meta":
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device=device)
+        if cfg.tie_embeddings:  # to_empty gives every module its own tensor: tie the head again
+            model.lm_head.weight = model.wte.weight  # type: ignore[union-attr]
+        reset = getattr(model, "reset_buffers", None)
+        if callable(reset):
+            reset()
+        return model
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        model = cls(cfg)
+    if cfg.init_from and torch.device(device).type != "meta":
+        from geofed_hpc.models.hf import load_hf_checkpoint
+
+        load_hf_checkpoint(model, cfg.init_from)
+    return model
+
+
+def num_params(model: nn.Module) -> int:
+    """Number of distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,39 @@
+"""Helpers for tests that run real multi-process torch.distributed groups (gloo on CPU)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago (each distributed test takes its own)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(rank: int, fn: Callable[..., None], world: int, port: int, args: tuple[Any, ...]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., None], world: int, *args: Any) -> None:
+    """Run fn(rank, *args) in `world` spawned processes joined in one gloo group; raises if any rank fails."""
+    mp.spawn(_entry, args=(fn, world, free_port(), args), nprocs=world, join=True)

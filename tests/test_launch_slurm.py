@@ -1,0 +1,249 @@
+"""The Slurm launcher without a cluster: recorded sbatch previews, site validation, manifest, job states."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from geofed_hpc.cli import compose_config, config_groups
+from geofed_hpc.config import SiteConfig
+from geofed_hpc.errors import ConfigError, LaunchError
+from geofed_hpc.launch import executor, manifest, slurm
+from geofed_hpc.launch.jobs import jobs_table, log_paths
+
+DATA = Path(__file__).parent / "data" / "sbatch"
+CLI = [sys.executable, "-m", "geofed_hpc.cli"]
+# A login node's environment, fixed so that the recorded previews do not depend on who runs the tests.
+LOGIN_ENV = {"HOME": "/home/alice", "USER": "alice", "SCRATCH": "/scratch/alice", "WORK": "/work/alice"}
+RECORD = os.environ.get("GEOFED_RECORD_SBATCH") == "1"  # rewrite tests/data/sbatch/*.sh instead of comparing
+
+
+def slurm_sites() -> list[str]:
+    return [s for s in config_groups()["site"] if compose_config([f"site={s}"])[0].site.executor == "slurm"]
+
+
+def cli(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        CLI + args, cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, **env}
+    )
+
+
+def test_every_shipped_slurm_site_has_a_recorded_preview() -> None:
+    sites = slurm_sites()
+    assert {"osc", "uw_madison", "tacc", "iitm", "template", "slurm_local"} <= set(sites)
+    recorded = {p.stem for p in DATA.glob("*.sh")}
+    assert recorded == set(sites), "record with GEOFED_RECORD_SBATCH=1 pytest tests/test_launch_slurm.py"
+
+
+@pytest.mark.parametrize("site", slurm_sites())
+def test_sbatch_preview_matches_the_recorded_file(site: str) -> None:
+    cfg, _ = compose_config([f"site={site}", "site.python=python", "run_dir=/shared/runs/geofed"])
+    run_dir = executor.site_run_dir(cfg, environ=LOGIN_ENV)
+    text = executor.sbatch_preview(cfg, 0, run_dir)
+    path = DATA / f"{site}.sh"
+    if RECORD:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert text == path.read_text(), f"{path} differs from the preview; rerun with GEOFED_RECORD_SBATCH=1 if intended"
+    assert "#SBATCH --requeue" in text and "#SBATCH --signal=USR2@" in text
+    assert f"{run_dir}/jobs/{site}-0/%j" in text  # fixed folder: a requeued job finds its pickle and checkpoints
+
+
+def test_gpu_request_follows_the_site_style() -> None:
+    def gpus(**site: object) -> dict[str, object]:
+        cfg, _ = compose_config(["site=template"])
+        cfg = replace(cfg, site=replace(cfg.site, **site))
+        params = executor.sbatch_parameters(cfg, 0)
+        return {k: params[k] for k in ("gres", "gpus_per_node") if k in params}
+
+    assert gpus(gpu_style="gres", gpus_per_node=4, gpu_type="a100") == {"gres": "gpu:a100:4"}
+    assert gpus(gpu_style="gres", gpus_per_node=2, gpu_type="") == {"gres": "gpu:2"}
+    assert gpus(gpu_style="gpus", gpus_per_node=4, gpu_type="h100") == {"gpus_per_node": "h100:4"}
+    assert gpus(gpu_style="none", gpus_per_node=1, gpu_type="gh200") == {}
+
+
+def test_setup_lines_proxy_and_extra_options() -> None:
+    cfg, _ = compose_config(["site=iitm", "+site.sbatch_extra.reservation=ml"])
+    text = executor.sbatch_preview(cfg, 0, Path("/shared/run"))
+    assert "#SBATCH --reservation=ml" in text
+    setup = text.split("# setup\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert setup[:3] == ["module load anaconda3", 'eval "$(conda shell.bash hook)"', "conda activate geofed"]
+    assert setup[3].startswith("export https_proxy=http://proxy.example.iitm.ac.in:3128 ") and "grpc_proxy=" in setup[3]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["site=slurm_local", "site.partition="], "site.partition: a Slurm site needs a partition"),
+        (["site=osc", "site.gpu_type=a1000"], "site.gpu_type: unknown GPU type 'a1000'; known: a10, a100"),
+        (["site=osc", "site.gpu_style=mig"], "site.gpu_style: must be one of gres, gpus, none"),
+        (["site=slurm_local", "site.embedded_ps=true"], "site.embedded_ps: Slurm jobs outlive `launch`"),
+        (["site=slurm_local", "site.timeout=30s"], "site.timeout: Slurm time limits are whole minutes"),
+        (["site=iitm", "site.proxy=proxy:3128"], "site.proxy: expected http://host:port"),
+        (["site=osc", "site.executor=pbs"], "site.executor: must be one of local, slurm"),
+    ],
+)
+def test_bad_sites_are_refused_naming_the_field(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        compose_config(overrides)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_time_limit_shorter_than_a_sync_plus_the_signal_delay_is_refused_with_the_arithmetic() -> None:
+    cfg, _ = compose_config(["site=slurm_local", "site.timeout=2m", "train.sync_interval=5m"])
+    with pytest.raises(ConfigError) as info:
+        executor.check_slurm_site(cfg)
+    assert str(info.value).startswith(
+        "site.timeout: 2m is shorter than train.sync_interval (5m) + site.signal_delay (1m30s) = 6m30s"
+    )
+    cfg, _ = compose_config(["site=slurm_local", "site.timeout=2m", "train.sync_interval=30s"])
+    executor.check_slurm_site(cfg)  # 2m >= 30s + 90s
+
+
+def test_run_directory_on_a_node_local_filesystem_warns() -> None:
+    mounts = (
+        "overlay / overlay rw 0 0\n"
+        "tmpfs /tmp tmpfs rw 0 0\n"
+        "fs1:/scratch /scratch nfs4 rw 0 0\n"
+        "lustre@o2ib:/fs /fs/ess lustre rw 0 0\n"
+    )
+    assert executor.shared_fs_warning(Path("/scratch/alice/runs/x"), mounts) is None
+    assert executor.shared_fs_warning(Path("/fs/ess/PAS0000/runs"), mounts) is None
+    warning = executor.shared_fs_warning(Path("/tmp/runs/x"), mounts)
+    assert warning and "tmpfs (mounted at /tmp)" in warning and "site.run_dir" in warning
+    assert "overlay (mounted at /)" in (executor.shared_fs_warning(Path("/home/alice/runs"), mounts) or "")
+
+
+def test_site_run_dir_is_fixed_and_expands_the_login_environment() -> None:
+    cfg, _ = compose_config(["site=tacc", "federation=exp1"])
+    assert executor.site_run_dir(cfg, environ=LOGIN_ENV) == Path("/scratch/alice/geofed/runs/exp1")
+    with pytest.raises(ConfigError, match=r"site.run_dir: '\$SCRATCH/geofed/runs' uses an environment variable"):
+        executor.site_run_dir(cfg, environ={})
+    assert str(executor.site_run_dir(cfg, environ={}, strict=False)) == "$SCRATCH/geofed/runs/exp1"
+    local, _ = compose_config(["site=slurm_local", "run_dir=/shared/runs/exp1"])
+    assert executor.site_run_dir(local, environ={}) == Path("/shared/runs/exp1")
+
+
+def test_submission_environment_drops_inherited_slurm_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_MEM_PER_CPU", "10")
+    monkeypatch.setenv("SLURM_JOB_ID", "999")
+    monkeypatch.setenv("SLURM_CONF", "/etc/slurm/slurm.conf")
+    with slurm.submission_environment() as dropped:
+        assert "SLURM_MEM_PER_CPU" not in os.environ and "SLURM_JOB_ID" not in os.environ
+        assert os.environ["SLURM_CONF"] == "/etc/slurm/slurm.conf"
+        assert {"SLURM_MEM_PER_CPU", "SLURM_JOB_ID"} <= set(dropped)
+    assert os.environ["SLURM_MEM_PER_CPU"] == "10" and os.environ["SLURM_JOB_ID"] == "999"
+
+
+def test_missing_sbatch_names_the_command_and_why(tmp_path: Path) -> None:
+    result = cli(
+        ["launch", "site=slurm_local", "ps.address=127.0.0.1:9", f"run_dir={tmp_path / 'run'}"],
+        tmp_path,
+        PATH=str(tmp_path),
+    )
+    assert result.returncode == 2
+    line = result.stderr.strip().splitlines()[-1]
+    assert "`sbatch` not found on PATH (site.executor=slurm: site 'slurm_local' submits its jobs with sbatch)" in line
+    assert "Traceback" not in result.stderr
+    with pytest.raises(LaunchError, match="`no-such-command-here` not found on PATH"):
+        slurm.require("no-such-command-here", "a test")
+
+
+def test_a_slurm_launch_needs_the_ps_address(tmp_path: Path) -> None:
+    result = cli(["launch", "site=slurm_local", f"run_dir={tmp_path}"], tmp_path)
+    assert result.returncode == 2 and "ps.address: Slurm site jobs dial the parameter server" in result.stderr
+
+
+def test_dry_run_prints_one_batch_file_per_site_and_submits_nothing(tmp_path: Path) -> None:
+    result = cli(
+        ["launch", "site=osc,tacc", "ps.address=vm.example.org:50051", "--dry-run"],
+        tmp_path,
+        **LOGIN_ENV,
+    )
+    assert result.returncode == 0, result.stderr
+    headers = [line for line in result.stdout.splitlines() if line.startswith("# ---- ")]
+    assert [h.split(":")[0] for h in headers] == ["# ---- osc-0", "# ---- tacc-0"]
+    assert result.stdout.count("#!/bin/bash") == 2 and "--partition=gh" in result.stdout
+    assert not (tmp_path / "runs").exists()
+    local = cli(["launch", "site=local", "--dry-run"], tmp_path)
+    assert local.returncode == 0 and "no sbatch file" in local.stdout
+
+
+def test_manifest_keeps_every_job_and_the_newest_per_site(tmp_path: Path) -> None:
+    def job(site: str, job_id: str) -> manifest.JobRecord:
+        return manifest.JobRecord(site, job_id, site.rsplit("-", 1)[0], "slurm", f"/l/{job_id}.out", f"/l/{job_id}.err")
+
+    manifest.record_jobs(tmp_path, "fed", "vm:1", "osc", {"a": 1}, [job("osc-0", "11"), job("osc-1", "12")])
+    manifest.record_jobs(tmp_path, "fed", "vm:2", "tacc", {"b": 2}, [job("tacc-0", "7")])
+    manifest.record_jobs(tmp_path, "fed", "vm:2", "osc", {"a": 3}, [job("osc-0", "13")])
+    loaded = manifest.load_manifest(tmp_path)
+    assert loaded is not None and loaded.ps_address == "vm:2" and len(loaded.jobs) == 4
+    assert {k: v.job_id for k, v in loaded.latest("osc").items()} == {"osc-0": "13", "osc-1": "12"}
+    assert sorted(loaded.latest()) == ["osc-0", "osc-1", "tacc-0"] and loaded.configs["osc"] == {"a": 3}
+    assert [label for label, _ in log_paths(loaded.latest("tacc"))] == ["tacc-0 job 7 stdout", "tacc-0 job 7 stderr"]
+    (tmp_path / "launch.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not a readable launch manifest"):
+        manifest.load_manifest(tmp_path)
+    assert manifest.load_manifest(tmp_path / "nothing-here") is None
+
+
+def test_preempted_and_requeued_jobs_are_shown_as_transient() -> None:
+    jobs = {
+        "a-0": manifest.JobRecord("a-0", "5", "a", "slurm", "o", "e"),
+        "a-1": manifest.JobRecord("a-1", "6", "a", "slurm", "o", "e"),
+        "a-2": manifest.JobRecord("a-2", "7", "a", "slurm", "o", "e"),
+    }
+    states = {
+        "5": slurm.JobState("5", "PREEMPTED", "squeue", "", "1:02"),
+        "6": slurm.JobState("6", "REQUEUED", "sacct"),
+        "7": slurm.JobState("7", "FAILED", "scontrol", "NonZeroExitCode"),
+    }
+    assert states["5"].active and states["6"].active and not states["7"].active
+    table = jobs_table(jobs, states).splitlines()
+    assert "PREEMPTED (preempted; Slurm requeues it and it resumes from its checkpoint)" in table[1]
+    assert "REQUEUED (requeued; it resumes from its checkpoint)" in table[2]
+    assert table[3].endswith("FAILED (NonZeroExitCode)")
+
+
+def test_site_config_defaults_stay_local_and_valid() -> None:
+    site = SiteConfig()
+    assert site.executor == "local" and site.signal_delay == timedelta(seconds=90) and site.setup == []
+    with pytest.raises(ConfigError, match="site.gpu_type: is set but site.gpus_per_node is 0"):
+        SiteConfig(executor="slurm", partition="p", embedded_ps=False, gpu_type="a100")
+
+
+def test_logs_follow_prints_what_the_logs_gain_until_the_jobs_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    from geofed_hpc.launch import jobs as jobs_mod
+
+    out_log, err_log = tmp_path / "9_0_log.out", tmp_path / "9_0_log.err"
+    out_log.write_text("before follow\n")
+    job = {"s-0": manifest.JobRecord("s-0", "9", "s", "slurm", str(out_log), str(err_log))}
+    calls = []
+
+    def states(ids: list[str]) -> dict[str, slurm.JobState]:
+        calls.append(ids)
+        if len(calls) == 1:  # the job writes while it runs, then ends
+            with open(out_log, "a") as f:
+                f.write("step 1\n")
+            err_log.write_text("requeued\n")
+            return {"9": slurm.JobState("9", "RUNNING", "squeue")}
+        return {"9": slurm.JobState("9", "COMPLETED", "squeue")}
+
+    monkeypatch.setattr(jobs_mod, "FOLLOW_STATE_EVERY", timedelta(0))
+    monkeypatch.setattr(jobs_mod, "FOLLOW_POLL", timedelta(0))
+    buf = io.StringIO()
+    jobs_mod.follow_logs(job, out=buf, states=states)
+    text = buf.getvalue()
+    assert "before follow" not in text  # only what is new
+    assert "==> s-0 job 9 stdout <==\nstep 1\n==> s-0 job 9 stderr <==\nrequeued\n" in text
+    assert text.endswith("all jobs ended: 9\n") and len(calls) == 2

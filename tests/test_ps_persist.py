@@ -1,0 +1,253 @@
+"""PS persistence: restart from snapshots (also after a kill mid-write), SIGTERM snapshots, re-seeding."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from geofed_hpc import codec
+from geofed_hpc.ckpt import CheckpointStore, save_tensors
+from geofed_hpc.ckpt.atomic import TEMP_MARKER
+from geofed_hpc.client.trainer import apply_updates
+from geofed_hpc.config import CodecConfig
+from geofed_hpc.errors import CheckpointError
+from geofed_hpc.rpc import messages as m
+from geofed_hpc.rpc.client import PSClient
+from tests.conftest import ps_config, small_params
+from tests.test_ps_downlink import fetch, random_delta
+from tests.test_ps_logic import init, joined, make, pull, push
+
+REPO = Path(__file__).resolve().parents[1]
+INT8 = CodecConfig(name="int8", block_size=64)
+
+
+def test_restart_restores_model_momentum_sessions_pushes_and_history(tmp_path: Path) -> None:
+    kw = dict(outer_optimizer="nesterov", global_lr=0.7, run_codec="int8", state_dir=str(tmp_path))
+    logic = make("async", **kw)
+    (a,) = joined(logic, 1)
+    rejoin = logic.join(m.JoinRequest("site1"))
+    b = rejoin.session_id
+    params = init(logic, a)
+    replica = codec.decode(fetch(logic, b, None)[1])
+    for i in range(3):
+        push(logic, a, i, random_delta(params, i), cfg=INT8, push_id=f"r{i}")
+    before = (logic.model_hash(), {k: v.copy() for k, v in logic.outer.buffers.items()}, logic.downlink.residual)
+    logic.finish()
+
+    restarted = make("async", **kw)
+    assert restarted.version == 3 and restarted.model_hash() == before[0]
+    for k, v in before[1].items():
+        np.testing.assert_array_equal(restarted.outer.buffers[k], v)
+    for k, v in before[2].items():
+        np.testing.assert_array_equal(restarted.downlink.residual[k], v)
+    again = restarted.join(m.JoinRequest("site1", rejoin.rejoin_token, resume_session=b))  # the token survived
+    assert again.session_id == b and again.version == 3
+    assert push(restarted, a, 2, random_delta(params, 2), cfg=INT8, push_id="r2").duplicate
+    header, payload = fetch(restarted, b, 0)  # the downlink history survived too
+    assert header.kind == "updates" and len(header.segments) == 3
+    replica = apply_updates(replica, header, payload)
+    assert all(replica[k].tobytes() == restarted.params[k].tobytes() for k in replica)  # type: ignore[index]
+    restarted.finish()
+
+
+def test_snapshot_every_n_versions_and_newer_updates_are_dropped(tmp_path: Path) -> None:
+    kw = dict(snapshot_every=3, run_codec="int8", state_dir=str(tmp_path))
+    logic = make("async", **kw)
+    (a,) = joined(logic, 1)
+    params = init(logic, a)
+    for i in range(5):
+        push(logic, a, i, random_delta(params, i), cfg=INT8, push_id=f"s{i}")
+    assert CheckpointStore(tmp_path, prefix="global").latest_step() == 3
+    assert logic.downlink.versions() == [0, 1, 2, 3, 4]
+    # a crash here (no finish): the restart goes back to version 3 and forgets updates 3->4 and 4->5
+    restarted = make("async", **kw)
+    assert restarted.version == 3 and restarted.downlink.versions() == [0, 1, 2]
+    (b,) = joined(restarted, 1)
+    with pytest.raises(Exception, match="newer than the global version 3"):
+        push(restarted, b, 5, random_delta(params, 9), cfg=INT8)
+    assert fetch(restarted, b, 5)[0].kind == "full"  # a site from the lost future takes the full model
+
+
+CHILD = """
+import sys
+import numpy as np
+from geofed_hpc.ps.servicer import ParameterServerLogic
+from geofed_hpc.rpc import messages as m
+from tests.conftest import ps_config
+from tests.test_ps_logic import push
+
+logic = ParameterServerLogic(ps_config(aggregation="async", state_dir=sys.argv[1], downlink_history=0),
+                             m.RunSettings(aggregation="async", codec="fp32"))
+sid = logic.join(m.JoinRequest("writer")).session_id
+if not logic.initialized:
+    push(logic, sid, 0, {"w": np.zeros(1 << 23, np.float32)}, init=True, push_id="init")
+print("ready", logic.version, flush=True)
+for _ in range(100_000):
+    push(logic, sid, logic.version, {"w": np.ones(1 << 23, np.float32)}, push_id=f"v{logic.version}")
+"""
+
+
+def test_kill_during_snapshot_leaves_the_previous_one_loadable(tmp_path: Path) -> None:
+    """A real process writing 32 MiB snapshots is SIGKILLed while a temp file is open; the restart loads."""
+    torn = False
+    store = CheckpointStore(tmp_path, prefix="global")
+    for _attempt in range(5):
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert child.stdout is not None and child.stdout.readline().startswith("ready")
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and child.poll() is None:
+                written = (store.latest_step() or 0) >= 2
+                if written and any(TEMP_MARKER in p.name for p in tmp_path.iterdir()):
+                    os.kill(child.pid, signal.SIGKILL)
+                    break
+                time.sleep(0.001)
+        finally:
+            if child.poll() is None:
+                os.kill(child.pid, signal.SIGKILL)
+            child.wait(timeout=30)
+            assert child.stdout is not None
+            child.stdout.close()
+        torn = any(TEMP_MARKER in p.name for p in tmp_path.iterdir())
+        if torn:
+            break
+    assert torn, "never caught the writer mid-snapshot"
+    restored = make("async", run_codec="fp32", state_dir=str(tmp_path), downlink_history=0)
+    assert restored.initialized and restored.version >= 2
+    assert restored.params is not None
+    np.testing.assert_array_equal(restored.params["w"], np.full(1 << 23, restored.version, np.float32))
+    restored.finish()
+    assert not any(TEMP_MARKER in p.name for p in tmp_path.iterdir())
+
+
+def test_a_fresh_ps_is_reseeded_by_the_first_site_with_a_checkpoint() -> None:
+    logic = make("sync")
+    a, b = joined(logic, 2)
+    assert not logic.initialized
+    params = small_params(3)
+    reply = push(logic, a, 7, params, init=True, push_id="reseed")  # its checkpoint holds version 7
+    assert reply.accepted and reply.version == 7 and logic.version == 7
+    late = push(logic, b, 5, small_params(4), init=True, push_id="late-seed")
+    assert not late.accepted and "already initialized at version 7" in late.reason
+    version, got = pull(logic, b)
+    assert version == 7 and all(np.array_equal(got[k], params[k]) for k in params)
+    assert logic.join(m.JoinRequest("site2")).version == 7
+
+
+@pytest.mark.parametrize("prefix", ["model/", "param/", ""])
+def test_init_from_reads_site_checkpoints_ps_snapshots_and_plain_files(tmp_path: Path, prefix: str) -> None:
+    params = small_params(2)
+    path = tmp_path / "seed.gft"
+    save_tensors(path, {f"{prefix}{k}": v for k, v in params.items()} | {"optim/x/step": np.ones(1)}, {"version": 4})
+    if not prefix:
+        path.unlink()
+        save_tensors(path, params, {})
+    logic = make("async", init_from=str(path))
+    assert logic.version == (4 if prefix else 0)
+    (a,) = joined(logic, 1)
+    assert all(np.array_equal(pull(logic, a)[1][k], params[k]) for k in params)
+
+
+def test_init_from_refuses_bad_files_and_is_ignored_once_state_exists(tmp_path: Path) -> None:
+    bad = tmp_path / "nan.gft"
+    save_tensors(bad, {"w": np.array([np.nan], np.float32)}, {})
+    with pytest.raises(CheckpointError, match="NaN"):
+        make("async", init_from=str(bad))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        make("async", init_from=str(tmp_path / "missing.gft"))
+    state = tmp_path / "state"
+    logic = make("async", state_dir=str(state))
+    (a,) = joined(logic, 1)
+    init(logic, a)
+    push(logic, a, 0, {k: np.ones_like(v) for k, v in small_params().items()})
+    logic.finish()
+    good = tmp_path / "good.gft"
+    save_tensors(good, small_params(9), {"version": 0})
+    again = make("async", state_dir=str(state), init_from=str(good))
+    assert again.version == 1  # the snapshot wins; the file is ignored with a warning
+
+
+def test_sigterm_applies_the_open_round_and_snapshots(tmp_path: Path) -> None:
+    """`geofed-hpc ps up` in a real process: SIGTERM finishes, applies the partial round, writes a snapshot."""
+    state = tmp_path / "state"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "geofed_hpc.cli", "ps", "up", "ps.port=0", f"ps.state_dir={state}", "codec=fp32"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        port = None
+        for _ in range(50):
+            line = proc.stdout.readline()
+            port = re.search(r"^parameter server on [^ ]+:(\d+) \(", line)
+            if port or not line:
+                break
+        assert port, line
+        with PSClient(ps_config(), f"127.0.0.1:{port[1]}") as client:
+            a = client.join(m.JoinRequest("site-a")).session_id
+            client.join(m.JoinRequest("site-b"))
+            params = small_params()
+            client.push_delta(
+                m.PushHeader(a, 0, 0, 0, "fp32", 0, b"", "", init=True), codec.encode(params, CodecConfig("fp32"))
+            )
+            ones = codec.encode({k: np.ones_like(v) for k, v in params.items()}, CodecConfig("fp32"))
+            assert client.push_delta(m.PushHeader(a, 0, 1, 8, "fp32", 0, b"", ""), ones).version == 0  # b is late
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    tensors, meta, _ = CheckpointStore(state, prefix="global").load_latest()  # type: ignore[misc]
+    assert meta["version"] == 1 and {s["site"] for s in meta["sessions"]} == {"site-a", "site-b"}
+    np.testing.assert_array_equal(tensors["param/ln.bias"], np.ones(8, np.float32))
+    assert "applying the open round early" in out
+
+
+@pytest.mark.slow
+def test_site_reseeds_a_ps_that_lost_everything_and_keeps_a_bit_identical_copy(tmp_path: Path, caplog) -> None:
+    """A real SiteTrainer: trains 2 syncs (pulling int8 updates), the PS is replaced by an empty one, and the
+    site's next run re-seeds it from its checkpoint at version 2 and carries on."""
+    from geofed_hpc.cli import compose_config
+    from geofed_hpc.client.trainer import SiteTrainer
+    from geofed_hpc.ps.app import ParameterServer
+
+    def config(max_syncs: int):
+        overrides = ["site=local", "model=tiny", f"train.max_syncs={max_syncs}", "train.sync_interval=1s"]
+        overrides += ["data.max_tokens=60000", "data.val_batches=2", "wandb_mode=disabled", f"run_dir={tmp_path}"]
+        overrides += ["site.num_sites=1"]
+        return compose_config(overrides)[0]
+
+    first = ParameterServer(config(2))
+    try:
+        trainer = SiteTrainer(config(2), 0, first.address)
+        assert trainer.run()["version"] == 2
+        assert first.logic._chain_cache  # the site pulled encoded updates, not the model
+        assert all(trainer.base[k].tobytes() == first.logic.params[k].tobytes() for k in trainer.base)
+    finally:
+        first.stop()
+    empty = ParameterServer(config(3))  # no state_dir: the PS lost everything
+    try:
+        assert not empty.logic.initialized
+        with caplog.at_level("INFO", logger="geofed_hpc"):
+            result = SiteTrainer(config(3), 0, empty.address).run()
+        assert "re-seeded at version 2" in caplog.text
+        assert result["version"] == 3 and empty.logic.version == 3
+    finally:
+        empty.stop()
+    events = (tmp_path / "sites" / "local-0" / "events.jsonl").read_text()
+    assert '"event": "reseed"' in events and '"version": 2' in events
