@@ -239,6 +239,8 @@ class PSConfig:
     max_delta_bytes: int = 8 << 30
     connect_timeout: timedelta = timedelta(seconds=30)
     rpc_timeout: timedelta = timedelta(minutes=10)
+    metrics_port: int = 0
+    metrics_host: str = ""
 
     def __post_init__(self) -> None:
         self.round_timeout = parse_duration(self.round_timeout, "ps.round_timeout")
@@ -246,6 +248,11 @@ class PSConfig:
         self.rpc_timeout = parse_duration(self.rpc_timeout, "ps.rpc_timeout")
         self.shutdown_grace = parse_duration(self.shutdown_grace, "ps.shutdown_grace")
         _check(0 <= self.port <= 65535, "ps.port", f"must be in 0..65535, got {self.port}")
+        _check(
+            0 <= self.metrics_port <= 65535,
+            "ps.metrics_port",
+            f"must be 0 (no Prometheus endpoint) or a port in 1..65535, got {self.metrics_port}",
+        )
         _one_of(self.aggregation, ("sync", "async", "buffered"), "ps.aggregation")
         _one_of(self.outer_optimizer, ("plain", "nesterov", "fednova"), "ps.outer_optimizer")
         _one_of(self.weighting, ("uniform", "tokens"), "ps.weighting")

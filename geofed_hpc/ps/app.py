@@ -7,9 +7,12 @@ import ctypes.util
 import signal
 import threading
 from datetime import timedelta
+from pathlib import Path
 
-from geofed_hpc.config import RunConfig
+from geofed_hpc.config import RunConfig, to_dict
 from geofed_hpc.log import logger
+from geofed_hpc.metrics.prometheus import PrometheusExporter
+from geofed_hpc.metrics.recorder import Recorder
 from geofed_hpc.ps.servicer import ParameterServerLogic
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.server import start_server
@@ -51,12 +54,22 @@ class ParameterServer:
         self.cfg = cfg
         limit_malloc_arenas()
         self.logic = ParameterServerLogic(cfg.ps, run_settings(cfg))
+        self.exporter: PrometheusExporter | None = None
+        self.recorder: Recorder | None = None
+        self._logged: tuple[int, float] | None = None
         try:
-            self._served = start_server(self.logic, cfg.ps)
+            if cfg.ps.metrics_port > 0:
+                self.exporter = PrometheusExporter()
+                self.exporter.serve(cfg.ps.metrics_host or cfg.ps.host, cfg.ps.metrics_port)
+                self.logic.on_site_metrics = self.exporter.observe
+            self.recorder = self._recorder()
+            self._served = start_server(self.logic, cfg.ps, self.exporter.rpc if self.exporter else None)
         except BaseException:
+            self._close_metrics()
             self.logic.staging.close()
             raise
         self.port = self._served.port
+        self._record()
         self._stop = threading.Event()
         self._stopped = False
         self._ticker = threading.Thread(target=self._tick_loop, name="ps-ticker", daemon=True)
@@ -67,12 +80,54 @@ class ParameterServer:
         host = self.cfg.ps.host if self.cfg.ps.host not in ("0.0.0.0", "::", "[::]") else "127.0.0.1"
         return f"{host}:{self.port}"
 
+    @property
+    def metrics_port(self) -> int:
+        """The bound Prometheus port (0: no endpoint)."""
+        return self.exporter.port if self.exporter else 0
+
+    def _recorder(self) -> Recorder | None:
+        """One W&B run (job_type=ps) and a JSONL file in <state_dir or run_dir>/metrics; only for a PS that
+        persists or exports metrics (an in-memory PS in a test writes nothing)."""
+        ps = self.cfg.ps
+        if not ps.state_dir and ps.metrics_port <= 0:
+            return None
+        root = Path(ps.state_dir).expanduser() if ps.state_dir else Path(self.cfg.run_dir)
+        return Recorder(
+            root / "metrics",
+            "ps",
+            job_type="ps",
+            group=self.cfg.federation,
+            wandb_mode=self.cfg.wandb_mode,
+            config=to_dict(self.cfg),
+        )
+
+    def _record(self, force: bool = False) -> None:
+        """Log the ps/* values when the version or the global validation loss changed (and feed Prometheus)."""
+        values = self.logic.ps_metrics()
+        if self.exporter is not None:
+            self.exporter.observe("ps", values)
+        key = (int(values["ps/version"]), float(values.get("ps/global_val_loss", -1.0)))
+        if self.recorder is None or (key == self._logged and not force):
+            return
+        self._logged = key
+        self.recorder.log(values)
+
+    def _close_metrics(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+        if self.exporter is not None:
+            self.exporter.stop()
+
     def _tick_loop(self) -> None:
         while not self._stop.wait(TICK.total_seconds()):
             try:
                 self.logic.tick()
             except Exception:  # noqa: BLE001 - a failed round is discarded, never fatal to the server
                 logger.exception("round ticker failed; the next tick retries")
+            try:
+                self._record()
+            except Exception:  # noqa: BLE001 - metrics never stop the server
+                logger.exception("recording PS metrics failed; the next tick retries")
 
     def stop(self, grace: timedelta | None = None) -> None:
         """Refuse new RPCs, finish pushes in flight, apply the open round, write a final snapshot."""
@@ -86,6 +141,10 @@ class ParameterServer:
         self._stop.set()
         self._ticker.join(timeout=5)
         self.logic.finish()
+        try:
+            self._record()
+        finally:
+            self._close_metrics()
         logger.info(
             "parameter server stopped at version %d (snapshot version %d)",
             self.logic.version,

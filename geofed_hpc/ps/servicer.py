@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -37,7 +38,10 @@ class ParameterServerLogic(GlobalState):
 
     def heartbeat(self, request: m.HeartbeatRequest) -> m.HeartbeatReply:
         with self._cond:
-            self.sessions.get(request.session_id)
+            session = self.sessions.get(request.session_id)
+            if request.val_loss > 0 and math.isfinite(request.val_loss):
+                self.val_losses[session.site] = (request.version, request.val_loss)
+                self._site_metrics(session.site, {"val/loss": request.val_loss, "sync/version": request.version})
             if request.leaving:
                 self.sessions.leave(request.session_id)
             self._maybe_close()
@@ -229,6 +233,19 @@ class ParameterServerLogic(GlobalState):
             session.last_train_loss = header.train_loss
             session.last_push, session.last_staleness = self._clock(), staleness
             session.bytes_received += nbytes
+            self.pushes_total += 1
+            self.bytes_received_total += nbytes
+            self._site_metrics(
+                session.site,
+                {
+                    "sync/bytes_sent": nbytes,
+                    "sync/staleness": staleness,
+                    "sync/local_steps": header.local_steps,
+                    "train/loss": header.train_loss,
+                    "site/contribution_tokens": header.tokens,
+                    "site/contribution_total": session.tokens,
+                },
+            )
             self._maybe_close()
             logger.info(
                 "push from %s (base %d, staleness %d, norm %.3g, %d bytes) accepted; version %d",

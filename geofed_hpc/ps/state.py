@@ -64,6 +64,11 @@ class GlobalState:
         self.snapshot_version = -1
         self._model_cache: tuple[int, bytes, bytes] | None = None
         self._chain_cache: OrderedDict[int, tuple[bytes, bytes, list[int]]] = OrderedDict()
+        # observability (metrics/ is fed by ps/app.py through these; none of it is persisted)
+        self.pushes_total = 0
+        self.bytes_received_total = 0
+        self.val_losses: dict[str, tuple[int, float]] = {}  # site -> (version it evaluated, validation loss)
+        self.on_site_metrics: Callable[[str, dict[str, float]], None] | None = None
         if self._snapshots is not None:
             self._restore()
         if cfg.init_from:
@@ -229,6 +234,38 @@ class GlobalState:
             self._model_cache = (now, payload, digest(payload))
         _, payload, sha = self._model_cache
         return m.ModelHeader(now, "fp32", len(payload), sha, "full", now), payload
+
+    def global_val_loss(self) -> float:
+        """Mean validation loss the sites reported for the newest version any of them evaluated (nan: none)."""
+        with self._cond:
+            if not self.val_losses:
+                return float("nan")
+            newest = max(v for v, _ in self.val_losses.values())
+            losses = [loss for v, loss in self.val_losses.values() if v == newest]
+            return sum(losses) / len(losses)
+
+    def ps_metrics(self) -> dict[str, float | int]:
+        """The ps/* metric values now (global validation loss only once a site reported one)."""
+        with self._cond:
+            values: dict[str, float | int] = {
+                "ps/version": self.version,
+                "ps/active_sites": len(self.sessions.active()),
+                "ps/pushes_total": self.pushes_total,
+                "ps/bytes_received_total": self.bytes_received_total,
+            }
+            val = self.global_val_loss()
+        if val == val:  # not nan
+            values["ps/global_val_loss"] = val
+        return values
+
+    def _site_metrics(self, site: str, metrics: dict[str, float]) -> None:
+        """Hand one site's values to the observer (Prometheus); an observer never fails an RPC."""
+        if self.on_site_metrics is None:
+            return
+        try:
+            self.on_site_metrics(site, metrics)
+        except Exception:  # noqa: BLE001
+            logger.debug("site metrics observer failed", exc_info=True)
 
     def model_hash(self) -> str:
         """sha256 over the global model's names and bytes (tests compare it before and after bad input)."""

@@ -33,6 +33,7 @@ class PSClient:
         else:
             self._channel = grpc.secure_channel(self.address, channel_credentials(cfg), options=client_options(cfg))
         self._calls: dict[str, Any] = {}
+        self.last_pull_wait_s = 0.0
         for meth in serde.METHODS:
             kind = (
                 self._channel.stream_unary
@@ -143,7 +144,17 @@ class PSClient:
         timeout = self._timeout() + wait.total_seconds()
 
         def pull() -> tuple[m.ModelHeader, bytes]:
-            header, payload = collect(self._calls["StreamModel"](request, timeout=timeout), self.cfg.max_delta_bytes)
+            started, first = time.monotonic(), list[float]()
+
+            def timed(chunks: Iterator[m.Chunk]) -> Iterator[m.Chunk]:
+                for chunk in chunks:
+                    if not first:
+                        first.append(time.monotonic())
+                    yield chunk
+
+            stream = timed(self._calls["StreamModel"](request, timeout=timeout))
+            header, payload = collect(stream, self.cfg.max_delta_bytes)
+            self.last_pull_wait_s = (first[0] if first else time.monotonic()) - started
             assert isinstance(header, m.ModelHeader)
             return header, payload
 

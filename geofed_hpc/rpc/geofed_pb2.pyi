@@ -129,16 +129,18 @@ class PushReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., staleness: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("session_id", "version", "local_steps", "leaving")
+    __slots__ = ("session_id", "version", "local_steps", "leaving", "val_loss")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
+    VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     version: int
     local_steps: int
     leaving: bool
-    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[int] = ..., local_steps: _Optional[int] = ..., leaving: _Optional[bool] = ...) -> None: ...
+    val_loss: float
+    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[int] = ..., local_steps: _Optional[int] = ..., leaving: _Optional[bool] = ..., val_loss: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("version", "sync_now")

@@ -90,6 +90,7 @@ class HeartbeatRequest:
     version: int = 0
     local_steps: int = 0
     leaving: bool = False
+    val_loss: float = 0.0
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -33,6 +34,10 @@ def snake(name: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
+OnRpc = Callable[[str, str, float], None]
+"""Called once per finished RPC with (method, status code name, seconds); it must not raise."""
+
+
 def _abort(context: grpc.ServicerContext, method: str, exc: BaseException) -> None:
     if isinstance(exc, GeofedError):
         logger.warning("%s refused: %s", method, exc)
@@ -41,50 +46,95 @@ def _abort(context: grpc.ServicerContext, method: str, exc: BaseException) -> No
     context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
 
 
-def _unary(method: str, fn: Callable[[Any], Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
+def _code(exc: BaseException) -> str:
+    if isinstance(exc, GeofedError):
+        return str(exc.grpc_code)
+    if isinstance(exc, grpc.RpcError):
+        return "UNAVAILABLE"
+    return "INTERNAL" if isinstance(exc, Exception) else "CANCELLED"
+
+
+class _Observed:
+    """Time one RPC and report (method, code, seconds) to `on_rpc` when it ends, however it ends."""
+
+    def __init__(self, method: str, on_rpc: OnRpc | None) -> None:
+        self.method, self.on_rpc, self.code = method, on_rpc, "OK"
+        self.t0 = time.perf_counter()
+
+    def failed(self, exc: BaseException) -> None:
+        self.code = _code(exc)
+
+    def done(self) -> None:
+        if self.on_rpc is None:
+            return
+        try:
+            self.on_rpc(self.method, self.code, time.perf_counter() - self.t0)
+        except Exception:  # noqa: BLE001 - an observer never fails an RPC
+            logger.debug("RPC observer failed for %s", self.method, exc_info=True)
+
+
+def _unary(method: str, fn: Callable[[Any], Any], on_rpc: OnRpc | None) -> Callable[[Any, grpc.ServicerContext], Any]:
     def call(request: Any, context: grpc.ServicerContext) -> Any:
+        obs = _Observed(method, on_rpc)
         try:
             return fn(request)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status, never a crash
+            obs.failed(exc)
             _abort(context, method, exc)
+        finally:
+            obs.done()
 
     return call
 
 
-def _server_stream(method: str, fn: Callable[[Any], Iterator[Any]]) -> Callable[..., Iterator[Any]]:
+def _server_stream(
+    method: str, fn: Callable[[Any], Iterator[Any]], on_rpc: OnRpc | None
+) -> Callable[..., Iterator[Any]]:
     def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        obs = _Observed(method, on_rpc)
         try:
             yield from fn(request)
         except Exception as exc:  # noqa: BLE001
+            obs.failed(exc)
             _abort(context, method, exc)
+        except BaseException as exc:  # GeneratorExit: the client cancelled the stream
+            obs.failed(exc)
+            raise
+        finally:
+            obs.done()
 
     return call
 
 
-def _client_stream(method: str, fn: Callable[[Iterator[Any]], Any]) -> Callable[..., Any]:
+def _client_stream(method: str, fn: Callable[[Iterator[Any]], Any], on_rpc: OnRpc | None) -> Callable[..., Any]:
     def call(request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        obs = _Observed(method, on_rpc)
         try:
             return fn(request_iterator)
         except grpc.RpcError as exc:  # the client went away mid-stream
+            obs.failed(exc)
             _abort(context, method, UnavailableError(f"stream broken by the client: {exc}"))
         except Exception as exc:  # noqa: BLE001
+            obs.failed(exc)
             _abort(context, method, exc)
+        finally:
+            obs.done()
 
     return call
 
 
-def generic_handler(handler: Handler) -> grpc.GenericRpcHandler:
-    """Route every geofed.v1 method to `handler`, (de)serialising through rpc.serde."""
+def generic_handler(handler: Handler, on_rpc: OnRpc | None = None) -> grpc.GenericRpcHandler:
+    """Route every geofed.v1 method to `handler`, (de)serialising through rpc.serde; `on_rpc` sees each call."""
     table = {}
     for meth in serde.METHODS:
         fn = getattr(handler, snake(meth.name))
         des, ser = serde.deserializer(meth.request), serde.serializer(meth.reply)
         if meth.client_streaming:
-            table[meth.name] = grpc.stream_unary_rpc_method_handler(_client_stream(meth.name, fn), des, ser)
+            table[meth.name] = grpc.stream_unary_rpc_method_handler(_client_stream(meth.name, fn, on_rpc), des, ser)
         elif meth.server_streaming:
-            table[meth.name] = grpc.unary_stream_rpc_method_handler(_server_stream(meth.name, fn), des, ser)
+            table[meth.name] = grpc.unary_stream_rpc_method_handler(_server_stream(meth.name, fn, on_rpc), des, ser)
         else:
-            table[meth.name] = grpc.unary_unary_rpc_method_handler(_unary(meth.name, fn), des, ser)
+            table[meth.name] = grpc.unary_unary_rpc_method_handler(_unary(meth.name, fn, on_rpc), des, ser)
     return grpc.method_handlers_generic_handler(serde.SERVICE, table)
 
 
@@ -102,10 +152,11 @@ class RunningServer:
         self.server.stop(grace.total_seconds()).wait()
 
 
-def start_server(handler: Handler, cfg: PSConfig) -> RunningServer:
-    """Bind host:port (0 picks a free port), start serving geofed.v1 and grpc.health.v1 (SERVING)."""
+def start_server(handler: Handler, cfg: PSConfig, on_rpc: OnRpc | None = None) -> RunningServer:
+    """Bind host:port (0 picks a free port), start serving geofed.v1 and grpc.health.v1 (SERVING); `on_rpc`
+    (optional) is told the method, status code and seconds of every geofed.v1 call."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), options=server_options(cfg))
-    server.add_generic_rpc_handlers((generic_handler(handler),))
+    server.add_generic_rpc_handlers((generic_handler(handler, on_rpc),))
     health = serde.health_servicer()
     serde.add_health(server, health)
     where = f"{cfg.host}:{cfg.port}"
