@@ -22,6 +22,7 @@ from geofed_hpc.ckpt.best import BestCheckpoints
 from geofed_hpc.ckpt.secret import read_secret, write_secret
 from geofed_hpc.client.params import Arrays, delta
 from geofed_hpc.client.runtime import build_runtime
+from geofed_hpc.client.telemetry import RttMeter, SyncTimer, gpu_metrics, preemptions, rss_gb
 from geofed_hpc.config import CodecConfig, RunConfig, to_dict
 from geofed_hpc.errors import AuthError, CheckpointError, CodecError, GeofedError, ProtocolError, StaleError
 from geofed_hpc.log import logger
@@ -95,6 +96,10 @@ class SiteTrainer:
         self.started = time.time()
         self.job_id = os.environ.get("SLURM_JOB_ID", "")
         self.restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+        self.timer = SyncTimer()  # where the current sync's time went (telemetry.py)
+        self.rtt = RttMeter()
+        self.contribution_total = 0
+        self.preemptions = 0
 
     # ---------------------------------------------------------------- checkpoints
     def _save(self, pending: dict[str, float] | None = None, pushed: bool = False) -> None:
@@ -116,6 +121,7 @@ class SiteTrainer:
             "job_id": self.job_id,
             "global_model": not pending and not pushed,  # the model is the PS's at `version`, bit for bit
             "val_loss": self.val_loss,
+            "contribution_total": self.contribution_total,
             "scaler": self.group.stepper.scaler_state(),
             "model": _shape(self.cfg),
         }
@@ -146,6 +152,7 @@ class SiteTrainer:
         self._codec_state()[0].load(tensors)
         self.sampler.load_state_dict(meta["sampler"])
         self.syncs, self.tokens_seen = int(meta["syncs"]), int(meta["tokens_seen"])
+        self.contribution_total = int(meta.get("contribution_total", 0))
         pending = meta.get("pending")
         logger.info(
             "%s: loaded local checkpoint %s (version %d, %d syncs%s)",
@@ -266,7 +273,11 @@ class SiteTrainer:
         """Take the global model: only the PS's encoded updates since our version when it still keeps them
         (self.base stays bit-identical to the PS), the full model otherwise."""
         have = self.version if self.base else None
+        t0 = time.monotonic()
         header, payload = client.pull_model(self.session.session_id, min_version, wait, have_version=have)
+        self.timer.pull_s += time.monotonic() - t0
+        self.timer.wait_s += client.last_pull_wait_s
+        self.timer.bytes_received += len(payload)
         if header.kind == "updates":
             try:
                 if header.base_version != have:
@@ -342,7 +353,9 @@ class SiteTrainer:
             name = link.choose(raw // 4, settings.sync_interval_s)
         c = self.cfg.codec
         cfg = CodecConfig(name, settings.block_size, c.zstd_level, stochastic_rounding=c.stochastic_rounding)
+        t_enc = time.monotonic()
         payload, residual = feedback.encode(d, cfg)
+        self.timer.encode_s += time.monotonic() - t_enc
         header = m.PushHeader(
             self.session.session_id,
             self.version,
@@ -357,11 +370,33 @@ class SiteTrainer:
         t0 = time.monotonic()
         reply = client.push_delta(header, payload)
         link.observe(name, len(payload), raw // 4, time.monotonic() - t0)
+        self.timer.push_s += time.monotonic() - t_enc
+        self.timer.staleness = reply.staleness
         if reply.accepted:
             feedback.commit(residual)  # a refused push keeps the old residual; its delta is dropped
+            if not reply.duplicate:
+                self.timer.contribution = header.tokens
+                self.contribution_total += header.tokens
         else:
             logger.warning("%s: push not applied: %s", self.name, reply.reason)
         return len(payload), raw
+
+    def _telemetry(self, client: PSClient, val_loss: float, sent: int, sync_s: float) -> dict[str, float | int]:
+        """This sync's transfer, link, memory and contribution metrics; one Heartbeat measures the RTT and tells
+        the PS the validation loss of the global model we just evaluated (its ps/global_val_loss)."""
+        t0 = time.monotonic()
+        client.heartbeat(
+            m.HeartbeatRequest(self.session.session_id, self.version, val_loss=val_loss if val_loss > 0 else 0.0)
+        )
+        rtt = self.rtt.add(time.monotonic() - t0)
+        return {
+            **self.timer.metrics(sent, sync_s),
+            **rtt,
+            "site/contribution_total": self.contribution_total,
+            "sys/rss_gb": rss_gb(),
+            **gpu_metrics(),
+            "job/preemptions": self.preemptions,
+        }
 
     def sampler_tokens(self) -> int:
         return self.cfg.train.batch_size * self.cfg.model.context
@@ -400,6 +435,7 @@ class SiteTrainer:
     def _lead(self) -> dict[str, Any]:
         cfg = self.cfg
         meta = self._load()
+        self.preemptions = preemptions(self.dir / "events.jsonl", self.restarts)  # before this segment's events
         self._event("restored", checkpoint=meta is not None, seconds=round(time.time() - self.started, 3))
         with (
             PSClient(cfg.ps, self.ps_address) as client,
@@ -424,7 +460,7 @@ class SiteTrainer:
                     "resume/source": resume,
                     "sync/version": self.version,
                     "resume/seconds": time.time() - self.started,
-                    "job/preemptions": self.restarts,
+                    "job/preemptions": self.preemptions,
                 }
             )
             self._event("ready", source=resume, version=self.version, seconds=round(time.time() - self.started, 3))
@@ -433,6 +469,7 @@ class SiteTrainer:
             results = []
             while not cfg.train.max_syncs or self.syncs < cfg.train.max_syncs:
                 t0 = time.monotonic()
+                self.timer = SyncTimer()
                 steps, train_loss = self._train_interval(settings)
                 train_s = time.monotonic() - t0
                 t1 = time.monotonic()
@@ -447,11 +484,13 @@ class SiteTrainer:
                     sent, raw, push_s = 0, 0, time.monotonic() - t1
                     self._pull(client, 0, timedelta(0))
                 self.syncs += 1
+                sync_s = time.monotonic() - t0
                 val_loss = self.evaluate()
                 result = SyncResult(self.version, steps, train_loss, val_loss, sent, raw)
                 results.append(result)
                 rec.log(
                     {
+                        **self._telemetry(client, val_loss, sent, sync_s),
                         "sync/index": self.syncs,
                         "sync/version": self.version,
                         "sync/local_steps": steps,
