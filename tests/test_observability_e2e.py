@@ -170,3 +170,6 @@ def test_local_federation_wandb_runs_hold_every_metric_name(tmp_path: Path) -> N
     assert not [n for n in PS_METRICS if n.encode() not in data], PS_METRICS
     ps_records = read_jsonl(run_dir / "ps" / "metrics" / "ps.metrics.jsonl")
     assert ps_records[-1]["ps/version"] == 2 and ps_records[-1]["ps/pushes_total"] == 4
+    val = {r["ps/version"]: r["ps/global_val_loss"] for r in ps_records if "ps/global_val_loss" in r}
+    # the sites' evaluations of the global versions (the PS logs what it knows every 0.5 s and when it stops)
+    assert 2 in val and len(val) >= 2 and val[2] < val[min(val)]

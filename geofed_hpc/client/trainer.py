@@ -466,6 +466,9 @@ class SiteTrainer:
             self._event("ready", source=resume, version=self.version, seconds=round(time.time() - self.started, 3))
             if self.syncs == 0:
                 rec.log({"val/loss": self.evaluate(), "sync/version": self.version, "sync/index": 0})
+                if self.val_loss > 0:  # the PS's ps/global_val_loss starts at version 0 too
+                    sid = self.session.session_id
+                    client.heartbeat(m.HeartbeatRequest(sid, self.version, val_loss=self.val_loss))
             results = []
             while not cfg.train.max_syncs or self.syncs < cfg.train.max_syncs:
                 t0 = time.monotonic()

@@ -235,17 +235,18 @@ class GlobalState:
         _, payload, sha = self._model_cache
         return m.ModelHeader(now, "fp32", len(payload), sha, "full", now), payload
 
-    def global_val_loss(self) -> float:
-        """Mean validation loss the sites reported for the newest version any of them evaluated (nan: none)."""
+    def global_val_loss(self) -> tuple[int, float]:
+        """The newest version any site evaluated, and the mean validation loss the sites reported for it
+        ((-1, nan): none yet)."""
         with self._cond:
             if not self.val_losses:
-                return float("nan")
+                return -1, float("nan")
             newest = max(v for v, _ in self.val_losses.values())
             losses = [loss for v, loss in self.val_losses.values() if v == newest]
-            return sum(losses) / len(losses)
+            return newest, sum(losses) / len(losses)
 
     def ps_metrics(self) -> dict[str, float | int]:
-        """The ps/* metric values now (global validation loss only once a site reported one)."""
+        """The ps/* metric values now (the global validation loss once a site reported it for this version)."""
         with self._cond:
             values: dict[str, float | int] = {
                 "ps/version": self.version,
@@ -253,8 +254,8 @@ class GlobalState:
                 "ps/pushes_total": self.pushes_total,
                 "ps/bytes_received_total": self.bytes_received_total,
             }
-            val = self.global_val_loss()
-        if val == val:  # not nan
+            version, val = self.global_val_loss()
+        if version == values["ps/version"]:  # a loss of an older version is not the global model's
             values["ps/global_val_loss"] = val
         return values
 
