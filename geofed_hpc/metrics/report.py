@@ -11,9 +11,9 @@ from geofed_hpc.metrics.recorder import read_jsonl
 
 
 def load_records(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
-    """Every recorder's JSONL under RUN_DIR/metrics, by recorder name; a clear error when there is none."""
+    """Every recorder's JSONL under RUN_DIR/metrics (sites) and RUN_DIR/ps/metrics (an embedded PS), by name."""
     metrics_dir = Path(run_dir) / "metrics"
-    files = sorted(metrics_dir.glob("*.metrics.jsonl")) if metrics_dir.is_dir() else []
+    files = sorted(metrics_dir.glob("*.metrics.jsonl")) + sorted((Path(run_dir) / "ps" / "metrics").glob("*.jsonl"))
     runs = {p.name.removesuffix(".metrics.jsonl"): read_jsonl(p) for p in files}
     runs = {name: recs for name, recs in runs.items() if recs}
     if not runs:
