@@ -165,11 +165,20 @@ def _site_list(overrides: list[str]) -> list[str]:
     return []
 
 
+def shard_overrides(counts: list[int], i: int) -> list[str]:
+    """Disjoint data shards for site configs launched together: config i's sites follow those before it."""
+    return [f"site.first_shard={sum(counts[:i])}", f"site.shard_count={sum(counts)}"]
+
+
 def _launch_each(sites: list[str], overrides: list[str], args: argparse.Namespace) -> int:
     flags = [f for f, on in (("--cfg", args.cfg), ("--dry-run", args.dry_run), ("-q", args.quiet)) if on]
     flags += ["-v"] if args.verbose else []
-    for site in sites:
-        code = main([*flags, "launch", *[f"site={site}" if o.startswith("site=") else o for o in overrides]])
+    per_site = [[f"site={site}" if o.startswith("site=") else o for o in overrides] for site in sites]
+    if not any(o.startswith(("site.first_shard=", "site.shard_count=")) for o in overrides):
+        counts = [compose_config(o)[0].site.num_sites for o in per_site]
+        per_site = [[*o, *shard_overrides(counts, i)] for i, o in enumerate(per_site)]
+    for site_overrides in per_site:
+        code = main([*flags, "launch", *site_overrides])
         if code:
             return code
     return 0
@@ -382,7 +391,7 @@ def cmd_data_prepare(cfg: RunConfig) -> int:
     from geofed_hpc.data.shards import prepare_shards
 
     out = Path(cfg.run_dir).expanduser() / "data"
-    index = prepare_shards(cfg.data, out, cfg.site.num_sites)
+    index = prepare_shards(cfg.data, out, cfg.site.shards)
     tokens = sum(s.tokens for s in index.train) + (index.val.tokens if index.val else 0)
     print(f"{tokens:,} {index.dtype} tokens in {len(index.train)} site shards + validation under {out}")
     print(f"train with: data.source={out}")

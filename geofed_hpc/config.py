@@ -58,6 +58,10 @@ class SiteConfig:
     name: str = "local"
     executor: str = "local"
     num_sites: int = 2
+    # Data shards: this config's sites train shards first_shard.. of shard_count (0: first_shard + num_sites),
+    # so several site configs of one federation never train on the same data.
+    first_shard: int = 0
+    shard_count: int = 0
     embedded_ps: bool = True
     cpus_per_site: int = 1
     timeout: timedelta = timedelta(hours=1)
@@ -82,12 +86,24 @@ class SiteConfig:
     shared_fs: bool = False
     sbatch_extra: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def shards(self) -> int:
+        """How many data shards the federation's data is split into."""
+        return self.shard_count or self.first_shard + self.num_sites
+
     def __post_init__(self) -> None:
         self.timeout = parse_duration(self.timeout, "site.timeout")
         self.signal_delay = parse_duration(self.signal_delay, "site.signal_delay")
         _one_of(self.executor, ("local", "slurm"), "site.executor")
         _check(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", self.name)), "site.name", "use letters, digits, _ . -")
         _check(1 <= self.num_sites <= 64, "site.num_sites", f"must be in 1..64, got {self.num_sites}")
+        _check(self.first_shard >= 0, "site.first_shard", f"must be 0 or more, got {self.first_shard}")
+        _check(
+            self.shard_count == 0 or self.shard_count >= self.first_shard + self.num_sites,
+            "site.shard_count",
+            f"is {self.shard_count}, but sites {self.first_shard}..{self.first_shard + self.num_sites - 1} need "
+            f"at least {self.first_shard + self.num_sites} shards (0: first_shard + num_sites)",
+        )
         _check(self.cpus_per_site >= 1, "site.cpus_per_site", "must be at least 1")
         for key in ("nodes", "tasks_per_node"):
             _check(getattr(self, key) >= 1, f"site.{key}", f"must be at least 1, got {getattr(self, key)}")

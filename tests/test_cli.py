@@ -149,3 +149,10 @@ def test_installed_wheel_finds_its_config_from_any_directory(tmp_path: Path) -> 
     assert "port: 50051" in result.stdout and "name: tiny" in result.stdout
     help_text = subprocess.run([str(script), "--help"], cwd=elsewhere, env=env, capture_output=True, text=True).stdout
     assert "cloud, local" in help_text
+
+
+def test_site_configs_launched_together_get_disjoint_data_shards(tmp_path: Path) -> None:
+    out = run(["launch", "site=osc,tacc", "site.num_sites=2", "--cfg"], cwd=tmp_path).stdout
+    firsts = [line.split()[-1] for line in out.splitlines() if line.strip().startswith("first_shard:")]
+    counts = {line.split()[-1] for line in out.splitlines() if line.strip().startswith("shard_count:")}
+    assert firsts == ["0", "2"] and counts == {"4"}

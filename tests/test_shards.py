@@ -119,3 +119,20 @@ def test_data_prepare_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert f"train with: data.source={folder}" in out and "in 3 site shards" in out
     assert len(read_index(folder).train) == 3
     assert main(["data", "prepare", f"data.source={tmp_path / 'missing.jsonl'}"]) == 2
+
+
+def test_a_site_config_with_first_shard_trains_that_shard(tmp_path: Path) -> None:
+    from geofed_hpc.client.runtime import build_runtime
+    from geofed_hpc.config import ModelConfig, RunConfig, SiteConfig, TrainConfig
+
+    out, _ = prepared(tmp_path, shards=3)
+    cfg = RunConfig(
+        site=SiteConfig(num_sites=1, first_shard=2, shard_count=3),
+        model=ModelConfig(n_layers=1, d_model=16, n_heads=2, d_ff=32, context=8),
+        data=DataConfig(source=str(out)),
+        train=TrainConfig(batch_size=2),
+    )
+    runtime = build_runtime(cfg, 0)
+    np.testing.assert_array_equal(runtime.sampler.tokens, open_site_shards(out, 2, 3, "gpt2", 50257)[0])
+    with pytest.raises(ConfigError, match="site.shard_count: is 2, but sites 2..2 need at least 3 shards"):
+        SiteConfig(num_sites=1, first_shard=2, shard_count=2)

@@ -63,8 +63,9 @@ def build_runtime(cfg: RunConfig, site_index: int, init: bool = True) -> SiteRun
     init_distributed(ranks, device, collective_timeout(cfg))
     init = bool(_broadcast_int(int(init), device, ranks.world_size > 1))
     precision = choose_precision(str(getattr(cfg.train, "precision", "auto")), device)
-    train, val = site_tokens(cfg.data, cfg.model.vocab_size, site_index, cfg.site.num_sites)
-    sampler = BatchSampler(train, cfg.train.batch_size, cfg.model.context, seed=cfg.train.seed * 1000 + site_index)
+    shard = cfg.site.first_shard + site_index
+    train, val = site_tokens(cfg.data, cfg.model.vocab_size, shard, cfg.site.shards)
+    sampler = BatchSampler(train, cfg.train.batch_size, cfg.model.context, seed=cfg.train.seed * 1000 + shard)
     val_batches = eval_batches(val, cfg.train.batch_size, cfg.model.context, cfg.data.val_batches)
     model = build_model(cfg.model, seed=cfg.train.seed, init=init)
     n_params = num_params(model)
