@@ -222,6 +222,71 @@ def test_newer_format_version_says_upgrade(tmp_path: Path) -> None:
         load_tensors(path)
 
 
+def _rewrite_as_v1(path: Path) -> None:
+    """Turn a current file into what format version 1 wrote: no "checksum" entry, a sha256 trailer."""
+    import hashlib
+
+    full = path.read_bytes()
+    (hlen,) = struct.unpack("<Q", full[8:16])
+    header = json.loads(full[16 : 16 + hlen])
+    header["version"] = 1
+    del header["checksum"]
+    raw = json.dumps(header).encode()
+    raw += b" " * (-(16 + len(raw)) % 64)
+    body = full[:8] + struct.pack("<Q", len(raw)) + raw + full[16 + hlen : -40]
+    path.write_bytes(body + hashlib.sha256(body).digest() + full[-8:])
+
+
+def test_format_version_1_files_with_sha256_still_load(tmp_path: Path) -> None:
+    path = _small_file(tmp_path)
+    _rewrite_as_v1(path)
+    tensors, meta = load_tensors(path)
+    assert meta == {"step": 3} and tensors["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and int(tensors["b"]) == 7
+    data = bytearray(path.read_bytes())
+    data[-50] ^= 0x01  # the last data byte
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="sha256 checksum does not match"):
+        load_tensors(path)
+
+
+def test_current_files_name_their_checksum_and_reject_an_unknown_one(tmp_path: Path) -> None:
+    path = _small_file(tmp_path)
+    full = path.read_bytes()
+    (hlen,) = struct.unpack("<Q", full[8:16])
+    header = json.loads(full[16 : 16 + hlen])
+    assert header["checksum"] == "xxh3_128-blocks" and header["version"] == tensorfile.FORMAT_VERSION == 2
+    header["checksum"] = "crc7"
+    raw = json.dumps(header).encode()
+    path.write_bytes(full[:8] + struct.pack("<Q", len(raw)) + raw + full[16 + hlen :])
+    with pytest.raises(CheckpointError, match="unknown checksum 'crc7'"):
+        load_tensors(path)
+
+
+def test_blocks_are_read_in_parallel_and_each_is_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import xxhash
+
+    monkeypatch.setattr(tensorfile, "BLOCK", 256)  # a file of many blocks, some across tensor boundaries
+    tensors = _all_dtypes() | {"big": np.arange(1000, dtype=np.float32)}
+    path = tmp_path / "blocks.gft"
+    save_tensors(path, tensors, {"k": 1})
+    full = path.read_bytes()
+    body = full[:-40]
+    blocks = b"".join(xxhash.xxh3_128(body[i : i + 256]).digest() for i in range(0, len(body), 256))
+    assert full[-40:-24] == xxhash.xxh3_128(blocks).digest() and full[-24:-8] == bytes(16)
+    loaded, meta = load_tensors(path)
+    assert meta == {"k": 1} and loaded.keys() == tensors.keys()
+    for name, value in tensors.items():
+        assert loaded[name].dtype == value.dtype and loaded[name].shape == value.shape
+        np.testing.assert_array_equal(loaded[name], value)
+    loaded["big"][0] = 5.0  # writable
+    for where in (len(body) - 1, len(body) // 2, 300, 700):
+        data = bytearray(full)
+        data[where] ^= 0x04
+        path.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError):
+            load_tensors(path)
+
+
 def test_atomic_write_failed_replace_keeps_previous(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "m.gft"
     save_tensors(path, {"w": np.ones(4, np.float32)}, {"step": 1})

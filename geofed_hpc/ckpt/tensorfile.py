@@ -1,4 +1,4 @@
-"""A self-describing, pickle-free tensor file (.gft): JSON header, raw little-endian arrays, sha256 trailer."""
+"""A self-describing, pickle-free tensor file (.gft): JSON header, raw little-endian arrays, checksum trailer."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import math
 import os
 import struct
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeGuard
 
 import numpy as np
+import xxhash
 
 from geofed_hpc.ckpt.atomic import atomic_write_bytes
 from geofed_hpc.errors import CheckpointError
@@ -20,11 +22,19 @@ from geofed_hpc.errors import CheckpointError
 # Layout (all integers little-endian):
 #   MAGIC (8) | header length H (u64) | header: UTF-8 JSON, space-padded so the data starts 64-byte aligned (H)
 #   | data: each tensor's raw bytes at header["tensors"][i]["offset"], 64-byte aligned, zero padding (D)
-#   | sha256 over every byte before it (32) | END_MAGIC (8)
+#   | checksum over every byte before it, zero-padded to 32 bytes (32) | END_MAGIC (8)
+# The header's "checksum" names it. Since format version 2: "xxh3_128-blocks", the xxh3_128 of the
+# concatenated xxh3_128 digests of each BLOCK bytes of the file (the last block may be shorter), so blocks are
+# read and checked in parallel: a checkpoint of several GB loads at the disk's parallel rate, where one sha256
+# stream managed ~0.3 GB/s from a cold virtual disk. It guards against torn writes and damaged copies, not
+# against an attacker. Version 1 files carry one sha256 over the whole and still load.
 MAGIC = b"GEOFEDT\x01"
 END_MAGIC = b"GFTEND\x00\x01"
 FORMAT_NAME = "geofed-tensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+CHECKSUM = "xxh3_128-blocks"
+BLOCK = 64 << 20
+READERS = 4  # parallel block reads (a cold virtual disk: 0.3 GB/s with one, 2 GB/s with four)
 SUFFIX = ".gft"
 ALIGN = 64
 _PREFIX = struct.Struct("<8sQ")
@@ -65,6 +75,35 @@ def _le_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(name).newbyteorder("<")
 
 
+class BlockDigest:
+    """The version 2 checksum, fed sequentially: xxh3_128 over the xxh3_128 of each BLOCK bytes."""
+
+    def __init__(self) -> None:
+        self._outer = xxhash.xxh3_128()
+        self._block = xxhash.xxh3_128()
+        self._filled = 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            take = min(len(view), BLOCK - self._filled)
+            self._block.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == BLOCK:
+                self._outer.update(self._block.digest())
+                self._block, self._filled = xxhash.xxh3_128(), 0
+
+    def digest(self) -> bytes:
+        outer = self._outer.copy()
+        if self._filled:
+            outer.update(self._block.digest())
+        return outer.digest()
+
+
+CHECKSUMS: dict[str, Any] = {"sha256": hashlib.sha256, CHECKSUM: BlockDigest}
+
+
 def _plan(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> tuple[bytes, list[Any], int]:
     """Validate inputs and lay out the file: (prefix + padded header, arrays in order, data length)."""
     entries: list[dict[str, Any]] = []
@@ -98,6 +137,7 @@ def _plan(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "data_nbytes": data_nbytes,
+        "checksum": CHECKSUM,
         "tensors": entries,
         "meta": dict(meta),
     }
@@ -114,7 +154,7 @@ def _plan(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]
 
 def _stream(prefix: bytes, arrays: list[Any], data_nbytes: int) -> Iterator[bytes | memoryview]:
     """Yield the file's bytes chunk by chunk (one contiguous copy of one tensor at most) and the trailer."""
-    digest = hashlib.sha256()
+    digest = CHECKSUMS[CHECKSUM]()
     digest.update(prefix)
     yield prefix
     pos = 0
@@ -135,7 +175,7 @@ def _stream(prefix: bytes, arrays: list[Any], data_nbytes: int) -> Iterator[byte
         pad = bytes(data_nbytes - pos)
         digest.update(pad)
         yield pad
-    yield digest.digest() + END_MAGIC
+    yield digest.digest().ljust(32, b"\0") + END_MAGIC
 
 
 def save_tensors(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
@@ -182,6 +222,9 @@ def _parse_header(path: Path, raw: bytes) -> dict[str, Any]:
             f"uses tensor-file format version {version}, newer than this geofed-hpc reads ({FORMAT_VERSION})",
             "upgrade geofed-hpc to load it",
         )
+    checksum = header.setdefault("checksum", "sha256")  # format version 1 names none
+    if checksum not in CHECKSUMS:
+        raise _bad(path, f"has a corrupt header (unknown checksum {checksum!r})")
     data_nbytes = header.get("data_nbytes")
     entries = header.get("tensors")
     if not _is_int(data_nbytes) or data_nbytes < 0 or not isinstance(entries, list):
@@ -237,9 +280,7 @@ def load_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         _, header_len = _PREFIX.unpack(head)
         if header_len > size - _MIN_SIZE:
             raise _bad(path, f"is truncated or corrupt: its header claims {header_len} bytes but the file has {size}")
-        digest = hashlib.sha256(head)
         raw = _read_exact(f, path, header_len)
-        digest.update(raw)
         header = _parse_header(path, raw)
         expected = _MIN_SIZE + header_len + header["data_nbytes"]
         if size < expected:
@@ -248,20 +289,46 @@ def load_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
             raise _bad(
                 path, f"has {size - expected} unexpected bytes after its end ({size} bytes, {expected} expected)"
             )
-        tensors: dict[str, np.ndarray] = {}
-        pos = 0
-        for ent in header["tensors"]:
-            if ent["offset"] > pos:
-                digest.update(_read_exact(f, path, ent["offset"] - pos))
-            arr = np.empty(ent["shape"], dtype=_le_dtype(ent["dtype"]))
-            _read_into(f, path, arr.reshape(-1).view(np.uint8).data, digest)
-            tensors[ent["name"]] = arr
-            pos = ent["offset"] + ent["nbytes"]
-        if header["data_nbytes"] > pos:
-            digest.update(_read_exact(f, path, header["data_nbytes"] - pos))
-        trailer = _read_exact(f, path, _TRAILER_LEN)
-        if trailer[32:] != END_MAGIC:
+        if header["checksum"] == "sha256":  # format version 1: one stream
+            digest = hashlib.sha256(head + raw)
+            data = np.empty(header["data_nbytes"], dtype=np.uint8)
+            _read_into(f, path, data.data, digest)
+            checksum = digest.digest()
+        else:
+            data, checksum = _read_blocks(f.fileno(), path, head + raw, header["data_nbytes"])
+        trailer = os.pread(f.fileno(), _TRAILER_LEN, size - _TRAILER_LEN)
+        if len(trailer) != _TRAILER_LEN or trailer[32:] != END_MAGIC:
             raise _bad(path, "is corrupt: its end marker is damaged")
-        if trailer[:32] != digest.digest():
-            raise _bad(path, "is corrupt: its sha256 checksum does not match its contents")
+        if trailer[:32] != checksum.ljust(32, b"\0"):
+            raise _bad(path, f"is corrupt: its {header['checksum']} checksum does not match its contents")
+    tensors = {}
+    for ent in header["tensors"]:  # views of one buffer, each 64-byte aligned within it
+        raw_bytes = data[ent["offset"] : ent["offset"] + ent["nbytes"]]
+        tensors[ent["name"]] = raw_bytes.view(_le_dtype(ent["dtype"])).reshape(ent["shape"])
     return tensors, header["meta"]
+
+
+def _read_blocks(fd: int, path: Path, front: bytes, data_nbytes: int) -> tuple[np.ndarray, bytes]:
+    """Read the data region after `front` (prefix + header) with READERS threads, one BLOCK of the file each,
+    hashing each block as it lands; (data, the file's block checksum)."""
+    start, end = len(front), len(front) + data_nbytes
+    data = np.empty(data_nbytes, dtype=np.uint8)
+    view = data.data
+
+    def block(offset: int) -> bytes:
+        h = xxhash.xxh3_128(front[offset : min(offset + BLOCK, start)])
+        lo, hi = max(offset, start), min(offset + BLOCK, end)
+        if hi <= lo:  # a block of the header only
+            return h.digest()
+        got = lo
+        while got < hi:
+            n = os.preadv(fd, [view[got - start : hi - start]], got)
+            if n == 0:
+                raise _bad(path, f"is truncated: it ended {end - got} bytes early")
+            got += n
+        h.update(view[lo - start : hi - start])
+        return h.digest()
+
+    with ThreadPoolExecutor(READERS, thread_name_prefix="gft-read") as pool:
+        digests = list(pool.map(block, range(0, end, BLOCK)))
+    return data, xxhash.xxh3_128(b"".join(digests)).digest()
