@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -222,24 +223,19 @@ def test_newer_format_version_says_upgrade(tmp_path: Path) -> None:
         load_tensors(path)
 
 
-def _rewrite_as_v1(path: Path) -> None:
-    """Turn a current file into what format version 1 wrote: no "checksum" entry, a sha256 trailer."""
-    import hashlib
-
+def test_format_version_1_files_with_sha256_still_load(tmp_path: Path) -> None:
+    path = tmp_path / "v1.gft"
+    save_tensors(
+        path,
+        {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.array(7, dtype=np.int64)},
+        {"step": 3},
+        version=1,
+    )
     full = path.read_bytes()
     (hlen,) = struct.unpack("<Q", full[8:16])
     header = json.loads(full[16 : 16 + hlen])
-    header["version"] = 1
-    del header["checksum"]
-    raw = json.dumps(header).encode()
-    raw += b" " * (-(16 + len(raw)) % 64)
-    body = full[:8] + struct.pack("<Q", len(raw)) + raw + full[16 + hlen : -40]
-    path.write_bytes(body + hashlib.sha256(body).digest() + full[-8:])
-
-
-def test_format_version_1_files_with_sha256_still_load(tmp_path: Path) -> None:
-    path = _small_file(tmp_path)
-    _rewrite_as_v1(path)
+    assert header["version"] == 1 and "checksum" not in header  # as the first release wrote it
+    assert full[-40:-8] == hashlib.sha256(full[:-40]).digest()
     tensors, meta = load_tensors(path)
     assert meta == {"step": 3} and tensors["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and int(tensors["b"]) == 7
     data = bytearray(path.read_bytes())

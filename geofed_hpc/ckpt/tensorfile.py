@@ -104,7 +104,9 @@ class BlockDigest:
 CHECKSUMS: dict[str, Any] = {"sha256": hashlib.sha256, CHECKSUM: BlockDigest}
 
 
-def _plan(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> tuple[bytes, list[Any], int]:
+def _plan(
+    path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any], version: int
+) -> tuple[bytes, list[Any], int]:
     """Validate inputs and lay out the file: (prefix + padded header, arrays in order, data length)."""
     entries: list[dict[str, Any]] = []
     arrays: list[Any] = []
@@ -135,9 +137,9 @@ def _plan(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]
     data_nbytes = _align(offset)
     header = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": version,
         "data_nbytes": data_nbytes,
-        "checksum": CHECKSUM,
+        **({"checksum": CHECKSUM} if version > 1 else {}),
         "tensors": entries,
         "meta": dict(meta),
     }
@@ -152,9 +154,9 @@ def _plan(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]
     return _PREFIX.pack(MAGIC, len(raw)) + raw, arrays, data_nbytes
 
 
-def _stream(prefix: bytes, arrays: list[Any], data_nbytes: int) -> Iterator[bytes | memoryview]:
+def _stream(prefix: bytes, arrays: list[Any], data_nbytes: int, version: int) -> Iterator[bytes | memoryview]:
     """Yield the file's bytes chunk by chunk (one contiguous copy of one tensor at most) and the trailer."""
-    digest = CHECKSUMS[CHECKSUM]()
+    digest = CHECKSUMS[CHECKSUM if version > 1 else "sha256"]()
     digest.update(prefix)
     yield prefix
     pos = 0
@@ -178,11 +180,16 @@ def _stream(prefix: bytes, arrays: list[Any], data_nbytes: int) -> Iterator[byte
     yield digest.digest().ljust(32, b"\0") + END_MAGIC
 
 
-def save_tensors(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
-    """Write `tensors` and JSON-able `meta` to `path` atomically, streaming the arrays (no pickle)."""
+def save_tensors(
+    path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any], version: int = FORMAT_VERSION
+) -> None:
+    """Write `tensors` and JSON-able `meta` to `path` atomically, streaming the arrays (no pickle). `version` 1
+    writes the first format (one sequential sha256), which every release reads."""
+    if version not in (1, FORMAT_VERSION):
+        raise ValueError(f"tensor-file format version must be 1 or {FORMAT_VERSION}, got {version!r}")
     path = Path(path)
-    prefix, arrays, data_nbytes = _plan(path, tensors, meta)
-    atomic_write_bytes(path, _stream(prefix, arrays, data_nbytes))
+    prefix, arrays, data_nbytes = _plan(path, tensors, meta, version)
+    atomic_write_bytes(path, _stream(prefix, arrays, data_nbytes, version))
 
 
 def _read_exact(f: io.BufferedReader, path: Path, n: int) -> bytes:
