@@ -4,6 +4,9 @@ budget, training on through the outage, one deferred push against the recorded b
 from __future__ import annotations
 
 import random
+import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -225,3 +228,55 @@ def test_sync_now_ends_a_late_sites_interval_so_the_round_closes_early(tmp_path:
     assert len(told) == 1 and told[0]["version"] == 0
     syncs = [r for r in site_metrics(tmp_path) if "train/loss" in r]
     assert len(syncs) == 1 and syncs[0]["sync/version"] == 1 and syncs[0]["sync/local_steps"] == told[0]["steps"]
+
+
+def test_a_pull_lost_after_the_push_went_in_trains_on_from_the_local_model(tmp_path: Path, shards: Path) -> None:
+    """Sync mode: the site's push is in and it waits for the round to close; the PS process is SIGKILLed
+    there. The site trains on from its local model (the base for its next delta), and when a `ps up` is
+    back on the same port its next push goes in and the pull after it brings the global model again."""
+    port = free_port()
+    log = tmp_path / "ps.log"
+
+    def ps_up() -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "geofed_hpc.cli", "--quiet", "ps", "up", f"ps.port={port}"]
+        cmd += ["ps.aggregation=sync", "ps.round_timeout=10m", f"ps.state_dir={tmp_path / 'ps'}"]
+        cmd += ["train.sync_interval=60s", "train.max_local_steps=3", "wandb_mode=disabled"]
+        with open(log, "a") as out:
+            return subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
+
+    procs = [ps_up()]
+    site_dir = tmp_path / "run" / "sites" / "local-0"
+    site = None
+    try:
+        with PSClient(ps_config(), f"127.0.0.1:{port}") as waiter:
+            waiter.connect(timedelta(seconds=60))
+            late = waiter.join(m.JoinRequest("late")).session_id  # active, never pushes: the round waits
+            site = Site(site_cfg(tmp_path, shards, port, max_syncs=2), tmp_path, f"127.0.0.1:{port}")
+
+            def pushed() -> bool:
+                return any(s.site == "local-0" and s.pushes == 1 for s in waiter.status().sites)
+
+            wait_for(pushed, 240, "the site's first push")
+            procs[0].kill()  # SIGKILL: the site is waiting for the round, inside its pull
+            procs[0].wait(timeout=30)
+            wait_for(lambda: any(e["event"] == "pull_failed" for e in events(site_dir)), 120, "the lost pull")
+            procs.append(ps_up())
+            waiter.connect(timedelta(seconds=60))
+            waiter.heartbeat(m.HeartbeatRequest(late, leaving=True))  # the round no longer waits for it
+            assert site.wait(timeout=300) == [0], site.output() + log.read_text()
+            sites = {s.site: s for s in waiter.status().sites}
+            version = waiter.status().version
+    finally:
+        if site is not None:
+            site.close()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=60)
+    # the killed PS lost the open round (its snapshot is version 0); the site's next delta makes version 1
+    assert version == 1 and sites["local-0"].pushes == 1
+    syncs = [r for r in site_metrics(tmp_path) if "train/loss" in r]
+    assert [r["sync/version"] for r in syncs] == [0, 1]  # sync 1 ended on the local model, at the version pushed to
+    _, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
+    assert meta["version"] == 1 and meta["global_model"] and meta["base_global"]  # the global model again
+    assert meta["sampler"]["draws"] == sum(r["sync/local_steps"] for r in syncs)

@@ -21,6 +21,8 @@ from geofed_hpc.rpc.client import PSClient
 # Once a push has spent ps.retry_budget, the site trains on; the attempts at the end of each later interval
 # (and the heartbeats in between) are short: the next interval is the retry.
 OFFLINE_ATTEMPT_BUDGET = timedelta(seconds=10)
+# A heartbeat between training steps waits at most this long (a PS behind a dropped link must not stall training).
+TRAINING_HEARTBEAT_TIMEOUT = timedelta(seconds=3)
 
 
 @dataclass
@@ -122,7 +124,7 @@ class RidesOutages:
             return False
         request = m.HeartbeatRequest(self.session.session_id, self.version, local_steps=steps)
         try:
-            reply = self.client.heartbeat(request, budget=timedelta(0))
+            reply = self.client.heartbeat(request, budget=timedelta(0), timeout=TRAINING_HEARTBEAT_TIMEOUT)
         except GeofedError as exc:  # unreachable (or the PS forgot us): the push at the interval's end says
             logger.debug("%s: heartbeat failed: %s", self.name, exc)
             return False

@@ -21,8 +21,8 @@ from geofed_hpc.rpc.stream import collect, digest, to_chunks
 
 T = TypeVar("T")
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
-# Heartbeat, Status and Health are small and asked again soon: a short retry budget and deadline, so a site's
-# training loop or an operator's `status` never sits through a long outage on them.
+# Join, Heartbeat, Status and Health are small and asked again soon: a short retry budget and deadline, so a
+# site's training loop or an operator's `status` never sits through a long outage on them.
 QUICK_BUDGET = timedelta(seconds=4)
 QUICK_TIMEOUT = timedelta(seconds=15)
 
@@ -117,14 +117,17 @@ class PSClient:
         return self.cfg.rpc_timeout.total_seconds()
 
     def join(self, request: m.JoinRequest) -> m.JoinReply:
-        return self._call("Join", lambda: self._calls["Join"](request, timeout=self._timeout()))
+        """Join (after `connect`, which waits for the PS): retried briefly, so a TLS or proxy mistake shows now."""
+        return self._call("Join", lambda: self._calls["Join"](request, timeout=self._timeout()), QUICK_BUDGET)
 
     def _quick(self) -> float:
         return min(self._timeout(), QUICK_TIMEOUT.total_seconds())
 
-    def heartbeat(self, request: m.HeartbeatRequest, budget: timedelta = QUICK_BUDGET) -> m.HeartbeatReply:
-        call = self._calls["Heartbeat"]
-        return self._call("Heartbeat", lambda: call(request, timeout=self._quick()), budget)
+    def heartbeat(
+        self, request: m.HeartbeatRequest, budget: timedelta = QUICK_BUDGET, timeout: timedelta | None = None
+    ) -> m.HeartbeatReply:
+        call, seconds = self._calls["Heartbeat"], timeout.total_seconds() if timeout else self._quick()
+        return self._call("Heartbeat", lambda: call(request, timeout=seconds), budget)
 
     def status(self) -> m.StatusReply:
         call = self._calls["Status"]
