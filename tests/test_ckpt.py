@@ -383,3 +383,36 @@ def test_store_rejects_bad_arguments(tmp_path: Path) -> None:
         CheckpointStore(tmp_path, prefix="../up")
     with pytest.raises(ValueError, match="step"):
         CheckpointStore(tmp_path).save(-1, {}, {})
+
+
+def test_format_2_checks_every_block_and_format_1_still_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from geofed_hpc.ckpt import tensorfile
+
+    monkeypatch.setattr(tensorfile, "HASH_BLOCK", 4096)  # a 40 KB file of 10 blocks, hashed in parallel
+    tensors = {"w": np.arange(10_000, dtype=np.float32), "b": np.ones(7, np.int16), "e": np.zeros(0, np.float64)}
+    new, old = tmp_path / "new.gft", tmp_path / "old.gft"
+    save_tensors(new, tensors, {"k": 1})
+    save_tensors(old, tensors, {"k": 1}, version=1)
+    full = new.read_bytes()
+    (hlen,) = struct.unpack("<Q", full[8:16])
+    header = json.loads(full[16 : 16 + hlen])
+    assert header["version"] == 2 and header["hash_block"] == 4096 and len(full) > 9 * 4096
+    for path in (new, old):
+        loaded, meta = load_tensors(path)
+        assert meta == {"k": 1} and set(loaded) == set(tensors)
+        for k, v in tensors.items():
+            np.testing.assert_array_equal(loaded[k], v)
+            assert loaded[k].flags.writeable
+    for pos in (16 + hlen + 8, 4096 * 3 + 7, len(full) - 41):  # in the header's block, a middle one, the last
+        data = bytearray(full)
+        data[pos] ^= 0x01
+        new.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match="checksum"):
+            load_tensors(new)
+    data = bytearray(old.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    old.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum"):
+        load_tensors(old)
+    with pytest.raises(ValueError, match="format version"):
+        save_tensors(tmp_path / "x.gft", tensors, {}, version=3)

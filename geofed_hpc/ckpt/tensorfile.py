@@ -6,9 +6,11 @@ import hashlib
 import io
 import json
 import math
+import mmap
 import os
 import struct
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -20,11 +22,17 @@ from geofed_hpc.errors import CheckpointError
 # Layout (all integers little-endian):
 #   MAGIC (8) | header length H (u64) | header: UTF-8 JSON, space-padded so the data starts 64-byte aligned (H)
 #   | data: each tensor's raw bytes at header["tensors"][i]["offset"], 64-byte aligned, zero padding (D)
-#   | sha256 over every byte before it (32) | END_MAGIC (8)
+#   | digest (32) | END_MAGIC (8)
+# Format 1: digest = sha256 over every byte before it. Format 2: the bytes before it are cut into blocks of
+# header["hash_block"] bytes; digest = sha256 over the concatenated sha256 of each block, so a reader checks
+# the blocks on several cores while it copies the tensors out (a 5 GB checkpoint is not one long hash).
 MAGIC = b"GEOFEDT\x01"
 END_MAGIC = b"GFTEND\x00\x01"
 FORMAT_NAME = "geofed-tensors"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+HASH_BLOCK = 32 << 20
+_HASH_BLOCK_RANGE = (1 << 12, 1 << 34)
+VERIFY_THREADS = 4
 SUFFIX = ".gft"
 ALIGN = 64
 _PREFIX = struct.Struct("<8sQ")
@@ -65,7 +73,39 @@ def _le_dtype(name: str) -> np.dtype[Any]:
     return np.dtype(name).newbyteorder("<")
 
 
-def _plan(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> tuple[bytes, list[Any], int]:
+class _Digest:
+    """The trailer's digest of the bytes fed to it: format 1 one sha256, format 2 a sha256 per block."""
+
+    def __init__(self, version: int) -> None:
+        self.version, self.block = version, HASH_BLOCK
+        self._whole = hashlib.sha256()
+        self._blocks: list[bytes] = []
+        self._current, self._filled = hashlib.sha256(), 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        if self.version == 1:
+            self._whole.update(data)
+            return
+        view, pos = memoryview(data), 0
+        while pos < len(view):
+            take = min(self.block - self._filled, len(view) - pos)
+            self._current.update(view[pos : pos + take])
+            self._filled += take
+            pos += take
+            if self._filled == self.block:
+                self._blocks.append(self._current.digest())
+                self._current, self._filled = hashlib.sha256(), 0
+
+    def digest(self) -> bytes:
+        if self.version == 1:
+            return self._whole.digest()
+        tail = [self._current.digest()] if self._filled else []
+        return hashlib.sha256(b"".join(self._blocks + tail)).digest()
+
+
+def _plan(
+    path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any], version: int = FORMAT_VERSION
+) -> tuple[bytes, list[Any], int]:
     """Validate inputs and lay out the file: (prefix + padded header, arrays in order, data length)."""
     entries: list[dict[str, Any]] = []
     arrays: list[Any] = []
@@ -94,13 +134,15 @@ def _plan(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]
         arrays.append(arr)
         offset += nbytes
     data_nbytes = _align(offset)
-    header = {
+    header: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": version,
         "data_nbytes": data_nbytes,
         "tensors": entries,
         "meta": dict(meta),
     }
+    if version >= 2:
+        header["hash_block"] = HASH_BLOCK
     try:
         raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     except (TypeError, ValueError) as e:
@@ -112,9 +154,9 @@ def _plan(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]
     return _PREFIX.pack(MAGIC, len(raw)) + raw, arrays, data_nbytes
 
 
-def _stream(prefix: bytes, arrays: list[Any], data_nbytes: int) -> Iterator[bytes | memoryview]:
+def _stream(prefix: bytes, arrays: list[Any], data_nbytes: int, version: int) -> Iterator[bytes | memoryview]:
     """Yield the file's bytes chunk by chunk (one contiguous copy of one tensor at most) and the trailer."""
-    digest = hashlib.sha256()
+    digest = _Digest(version)
     digest.update(prefix)
     yield prefix
     pos = 0
@@ -138,11 +180,16 @@ def _stream(prefix: bytes, arrays: list[Any], data_nbytes: int) -> Iterator[byte
     yield digest.digest() + END_MAGIC
 
 
-def save_tensors(path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
-    """Write `tensors` and JSON-able `meta` to `path` atomically, streaming the arrays (no pickle)."""
+def save_tensors(
+    path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any], version: int = FORMAT_VERSION
+) -> None:
+    """Write `tensors` and JSON-able `meta` to `path` atomically, streaming the arrays (no pickle). `version` 1
+    writes the older format (one sequential sha256), which every reader since the first one loads."""
+    if version not in (1, FORMAT_VERSION):
+        raise ValueError(f"tensor-file format version must be 1 or {FORMAT_VERSION}, got {version!r}")
     path = Path(path)
-    prefix, arrays, data_nbytes = _plan(path, tensors, meta)
-    atomic_write_bytes(path, _stream(prefix, arrays, data_nbytes))
+    prefix, arrays, data_nbytes = _plan(path, tensors, meta, version)
+    atomic_write_bytes(path, _stream(prefix, arrays, data_nbytes, version))
 
 
 def _read_exact(f: io.BufferedReader, path: Path, n: int) -> bytes:
@@ -188,6 +235,10 @@ def _parse_header(path: Path, raw: bytes) -> dict[str, Any]:
         raise _bad(path, "has a corrupt header ('data_nbytes' or 'tensors' missing or malformed)")
     if not isinstance(header.get("meta"), dict):
         raise _bad(path, "has a corrupt header ('meta' missing or not an object)")
+    if version >= 2:
+        block = header.get("hash_block")
+        if not _is_int(block) or not _HASH_BLOCK_RANGE[0] <= block <= _HASH_BLOCK_RANGE[1]:
+            raise _bad(path, f"has a corrupt header (hash block size {block!r})")
     end = 0
     names: set[str] = set()
     for i, ent in enumerate(entries):
@@ -248,6 +299,8 @@ def load_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
             raise _bad(
                 path, f"has {size - expected} unexpected bytes after its end ({size} bytes, {expected} expected)"
             )
+        if header["version"] >= 2:
+            return _load_blocks(f, path, header, size), header["meta"]
         tensors: dict[str, np.ndarray] = {}
         pos = 0
         for ent in header["tensors"]:
@@ -265,3 +318,32 @@ def load_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         if trailer[:32] != digest.digest():
             raise _bad(path, "is corrupt: its sha256 checksum does not match its contents")
     return tensors, header["meta"]
+
+
+def _load_blocks(f: io.BufferedReader, path: Path, header: dict[str, Any], size: int) -> dict[str, np.ndarray]:
+    """Format 2: copy the tensors out of a read-only map while a few threads hash its blocks (hashlib and
+    numpy's copy both run without the GIL), then check the trailer."""
+    body, block = size - _TRAILER_LEN, header["hash_block"]
+    data_start = body - header["data_nbytes"]
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        view = memoryview(mm)
+        try:
+            with ThreadPoolExecutor(max(1, min(VERIFY_THREADS, os.cpu_count() or 1))) as pool:
+                hashes = pool.map(
+                    lambda a: hashlib.sha256(view[a : min(a + block, body)]).digest(), range(0, body, block)
+                )
+                tensors: dict[str, np.ndarray] = {}
+                for ent in header["tensors"]:
+                    arr = np.empty(ent["shape"], dtype=_le_dtype(ent["dtype"]))
+                    start = data_start + ent["offset"]
+                    arr.reshape(-1).view(np.uint8)[:] = np.frombuffer(view[start : start + ent["nbytes"]], np.uint8)
+                    tensors[ent["name"]] = arr
+                digest = hashlib.sha256(b"".join(hashes)).digest()
+            trailer = bytes(view[body:])
+        finally:
+            view.release()
+    if trailer[32:] != END_MAGIC:
+        raise _bad(path, "is corrupt: its end marker is damaged")
+    if trailer[:32] != digest:
+        raise _bad(path, "is corrupt: its sha256 checksum does not match its contents")
+    return tensors
