@@ -169,16 +169,17 @@ def test_a_requeue_during_the_outage_keeps_the_deferred_work(tmp_path: Path, sha
     site_dir = tmp_path / "run" / "sites" / "local-0"
     ps = ParameterServer(cfg)
     servers = [ps]
-    site = Site(site_cfg(tmp_path, shards, port, max_syncs=2), tmp_path, ps.address)
+    site = Site(site_cfg(tmp_path, shards, port, max_syncs=3), tmp_path, ps.address)
     try:
         wait_for(lambda: any(r.get("sync/index") == 1 for r in site_metrics(tmp_path)), 240, "the first sync")
         ps.stop()
+        before = ps.logic.version
         wait_for(lambda: sum(e["event"] == "push_deferred" for e in events(site_dir)) >= 2, 240, "2 deferred pushes")
         site.close()  # SIGKILL while offline: only the checkpoint on disk is left
         _, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
         steps_on_disk = meta["pending"]["steps"]
         servers.append(ParameterServer(cfg))
-        again = Site(site_cfg(tmp_path, shards, port, max_syncs=2), tmp_path, servers[-1].address)
+        again = Site(site_cfg(tmp_path, shards, port, max_syncs=3), tmp_path, servers[-1].address)
         try:
             assert again.wait(timeout=300) == [0], again.output()
         finally:
@@ -189,8 +190,8 @@ def test_a_requeue_during_the_outage_keeps_the_deferred_work(tmp_path: Path, sha
         for server in servers:
             server.stop()
     syncs = [r for r in site_metrics(tmp_path) if "train/loss" in r]
-    assert [r["sync/version"] for r in syncs] == [1, 2] and final == 2
-    assert syncs[1]["sync/local_steps"] >= steps_on_disk + 1  # the deferred steps went out with the next ones
+    assert [r["sync/version"] for r in syncs] == [1, 2, 3] and final == 3
+    assert syncs[before]["sync/local_steps"] >= steps_on_disk + 1  # the deferred steps went out with the next
     _, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
     assert meta["sampler"]["draws"] == sum(r["sync/local_steps"] for r in syncs)
 
@@ -279,4 +280,41 @@ def test_a_pull_lost_after_the_push_went_in_trains_on_from_the_local_model(tmp_p
     assert [r["sync/version"] for r in syncs] == [0, 1]  # sync 1 ended on the local model, at the version pushed to
     _, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
     assert meta["version"] == 1 and meta["global_model"] and meta["base_global"]  # the global model again
+    assert meta["sampler"]["draws"] == sum(r["sync/local_steps"] for r in syncs)
+
+
+def test_a_stop_signal_during_push_retries_saves_the_work_and_leaves(tmp_path: Path, shards: Path) -> None:
+    """A 10-minute retry budget, the PS gone: SIGTERM (Slurm's requeue) ends the retries, the unpushed work is
+    checkpointed with its base, and the requeued job pushes it once the PS is back."""
+    port = free_port()
+    cfg = ps_run_config(tmp_path, port, aggregation="async")
+    site_dir = tmp_path / "run" / "sites" / "local-0"
+    servers = [ParameterServer(cfg)]
+    plain = site_cfg(tmp_path, shards, port, max_syncs=3)
+    plain["ps"]["retry_budget"] = "10m"
+    site = Site(plain, tmp_path, servers[0].address)
+    try:
+        wait_for(lambda: any(r.get("sync/index") == 1 for r in site_metrics(tmp_path)), 240, "the first sync")
+        servers[0].stop()
+        before = servers[0].logic.version
+        wait_for(lambda: "PushDelta to" in site.logs[0].read_text(), 120, "the push retrying")
+        site.signal(signal.SIGTERM)
+        assert site.wait(timeout=60) == [128 + signal.SIGTERM], site.output()
+        _, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
+        assert meta["version"] == before and meta["pending"]["deferred"]["steps"] == meta["pending"]["steps"] == 3
+        servers.append(ParameterServer(cfg))
+        again = Site(plain, tmp_path, servers[-1].address)
+        try:
+            assert again.wait(timeout=300) == [0], again.output()
+        finally:
+            again.close()
+        final = servers[-1].logic.version
+    finally:
+        site.close()
+        for server in servers:
+            server.stop()
+    syncs = [r for r in site_metrics(tmp_path) if "train/loss" in r]
+    assert [r["sync/version"] for r in syncs] == [1, 2, 3] and final == 3
+    assert syncs[before]["sync/local_steps"] == 6  # the 3 checkpointed steps went out with the next 3
+    _, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
     assert meta["sampler"]["draws"] == sum(r["sync/local_steps"] for r in syncs)

@@ -276,6 +276,7 @@ class SiteTrainer(RidesOutages):
                 )
             except StaleError as exc:
                 logger.warning("%s: %s; the %d steps before the requeue are dropped", self.name, exc, steps)
+                self.deferred.clear()
         if not self._disk_is_current(meta):
             self._pull(client, 0, timedelta(0))
         if pending:
@@ -508,6 +509,7 @@ class SiteTrainer(RidesOutages):
             ) as rec,
         ):
             self.client, self.rec = client, rec
+            client.keep_retrying = lambda: self.stop_signal is None  # a stop saves the unpushed work instead
             client.connect()
             self.session = self._join(client, meta)
             self._keep_token()

@@ -39,6 +39,8 @@ class PSClient:
             self._channel = grpc.secure_channel(self.address, channel_credentials(cfg), options=client_options(cfg))
         self._calls: dict[str, Any] = {}
         self.last_pull_wait_s = 0.0
+        # asked before each retry: a site that is told to stop (Slurm's warning signal) stops retrying at once
+        self.keep_retrying: Callable[[], bool] = lambda: True
         for meth in serde.METHODS:
             kind = (
                 self._channel.stream_unary
@@ -96,7 +98,7 @@ class PSClient:
                 return fn()
             except grpc.RpcError as exc:
                 code = exc.code()
-                wait = backoff.next_wait() if code in _RETRYABLE else None
+                wait = backoff.next_wait() if code in _RETRYABLE and self.keep_retrying() else None
                 if wait is None:
                     error = self._error(name, exc)
                     if code in _RETRYABLE and backoff.attempts > 1:
