@@ -318,3 +318,39 @@ def test_a_stop_signal_during_push_retries_saves_the_work_and_leaves(tmp_path: P
     assert syncs[before]["sync/local_steps"] == 6  # the 3 checkpointed steps went out with the next 3
     _, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
     assert meta["sampler"]["draws"] == sum(r["sync/local_steps"] for r in syncs)
+
+
+def test_a_site_restarted_while_the_ps_is_down_trains_from_its_checkpoint(tmp_path: Path, shards: Path) -> None:
+    """The job starts (a requeue, say) while the PS is down: it trains on from its checkpoint instead of failing
+    after ps.connect_timeout, and pushes that work once `ps up` is back on the same port."""
+    port = free_port()
+    cfg = ps_run_config(tmp_path, port, aggregation="async")
+    site_dir = tmp_path / "run" / "sites" / "local-0"
+    servers = [ParameterServer(cfg)]
+    plain = site_cfg(tmp_path, shards, port, max_syncs=1)
+    plain["ps"]["connect_timeout"] = "2s"
+    first = Site(plain, tmp_path, servers[0].address)
+    try:
+        assert first.wait(timeout=300) == [0], first.output()
+    finally:
+        first.close()
+    servers[0].stop()
+    plain["train"]["max_syncs"] = 2
+    again = Site(plain, tmp_path, f"127.0.0.1:{port}", index=0)
+    try:
+        wait_for(lambda: any(e["event"] == "push_deferred" for e in events(site_dir)), 240, "a deferred push")
+        servers.append(ParameterServer(cfg))
+        assert again.wait(timeout=300) == [0], again.output()
+        with PSClient(ps_config(), servers[-1].address) as client:
+            pushes = {s.site: s.pushes for s in client.status().sites}
+        final = servers[-1].logic.version
+    finally:
+        again.close()
+        for server in servers:
+            server.stop()
+    names = [e["event"] for e in events(site_dir)]
+    assert "offline_start" in names and names.index("offline_start") < names.index("deferred_pushed")
+    syncs = [r for r in site_metrics(tmp_path) if "train/loss" in r]
+    assert [r["sync/version"] for r in syncs] == [1, 2] and final == 2 and pushes["local-0"] == 2
+    _, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
+    assert meta["sampler"]["draws"] == sum(r["sync/local_steps"] for r in syncs)

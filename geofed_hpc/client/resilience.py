@@ -114,8 +114,28 @@ class _Site(Protocol):
 
 
 class RidesOutages:
-    """SiteTrainer's steps for a PS that does not answer: heartbeats while training, a deferred push, training
-    on from the local model when the pull after a push fails."""
+    """SiteTrainer's steps for a PS that does not answer: a start from the checkpoint alone, heartbeats while
+    training, a deferred push, training on from the local model when the pull after a push fails."""
+
+    def _offline_session(self: _Site, meta: dict[str, Any] | None, exc: UnavailableError) -> m.JoinReply:
+        """The PS is unreachable as the job starts. A checkpoint that holds a base (the global model at its
+        version, or unpushed work with its base), its session and the run settings is enough to train on: its
+        work goes out, as a deferred push, when the PS answers. Without one, `exc` is raised."""
+        if not meta or not (meta.get("session_id") and meta.get("settings")):
+            raise exc
+        if not (meta.get("pending") or meta.get("global_model")):  # a pushed delta's pull never came: need the PS
+            raise exc
+        version = int(meta["version"])
+        logger.warning(
+            "%s: %s; training on from the local checkpoint (version %d): its work goes out when the PS answers",
+            self.name,
+            exc,
+            version,
+        )
+        self._event("offline_start", version=version, error=str(exc)[:300])
+        known = {f.name for f in fields(m.RunSettings)}
+        settings = m.RunSettings(**{k: v for k, v in meta["settings"].items() if k in known})
+        return m.JoinReply(str(meta["session_id"]), "", version, True, settings)
 
     def _heartbeat_ends_interval(self: _Site, steps: int) -> bool:
         """A heartbeat while training (liveness). True ends the interval: in sync mode the PS says the round

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -136,6 +137,7 @@ class SiteTrainer(RidesOutages):
             "tokens_seen": self.tokens_seen,
             "sampler": self.sampler.state_dict(),
             "session_id": self.session.session_id,
+            "settings": dataclasses.asdict(self.session.settings),  # to train on if the PS is down at restart
             "pending": pending,
             "job_id": self.job_id,
             "global_model": not pending and not pushed and self.base_global,  # the PS's model at `version`
@@ -510,9 +512,12 @@ class SiteTrainer(RidesOutages):
         ):
             self.client, self.rec = client, rec
             client.keep_retrying = lambda: self.stop_signal is None  # a stop saves the unpushed work instead
-            client.connect()
-            self.session = self._join(client, meta)
-            self._keep_token()
+            try:
+                client.connect()
+                self.session = self._join(client, meta)
+                self._keep_token()
+            except UnavailableError as exc:
+                self.session = self._offline_session(meta, exc)  # train from the checkpoint, or raise exc
             settings = self.session.settings
             if not self.session.initialized:
                 self._seed(client, meta)
@@ -530,7 +535,10 @@ class SiteTrainer(RidesOutages):
                 rec.log({"val/loss": self.evaluate(), "sync/version": self.version, "sync/index": 0})
                 if self.val_loss > 0:  # the PS's ps/global_val_loss starts at version 0 too
                     sid = self.session.session_id
-                    client.heartbeat(m.HeartbeatRequest(sid, self.version, val_loss=self.val_loss))
+                    try:
+                        client.heartbeat(m.HeartbeatRequest(sid, self.version, val_loss=self.val_loss))
+                    except GeofedError as exc:
+                        logger.warning("%s: could not report the first evaluation: %s", self.name, exc)
             results = []
             while not cfg.train.max_syncs or self.syncs < cfg.train.max_syncs:
                 t0 = time.monotonic()
