@@ -249,6 +249,7 @@ def _launch_slurm(cfg: RunConfig) -> int:
 
 
 def cmd_ps_up(cfg: RunConfig) -> int:
+    from geofed_hpc.launch.progress import PSProgress
     from geofed_hpc.ps.app import ParameterServer
 
     def expand(path: str) -> str:
@@ -264,7 +265,18 @@ def cmd_ps_up(cfg: RunConfig) -> int:
         f"{cfg.ps.aggregation}, {model}); Ctrl-C or SIGTERM to stop",
         flush=True,
     )
-    server.wait_for_signal()  # SIGTERM: finish pushes in flight, apply the open round, write a snapshot
+    table = None if cfg.verbosity < 0 else PSProgress(sys.stdout)  # --quiet: no line per version
+
+    def progress() -> None:
+        if table is not None:
+            table.poll(logic.applied_since(table.last), logic.global_val_loss())
+
+    if table is not None:
+        table.start(logic.version)
+    server.wait_for_signal(progress)  # SIGTERM: finish pushes in flight, apply the open round, write a snapshot
+    if table is not None:
+        progress()
+        table.flush()
     where = f", snapshot of version {logic.snapshot_version} in {ps_cfg.state_dir}" if ps_cfg.state_dir else ""
     print(f"parameter server stopped at version {logic.version}{where}", flush=True)
     return 0
@@ -431,8 +443,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         verbosity = -1 if args.quiet else 1 if args.verbose else cfg.verbosity
         cfg = replace(cfg, verbosity=verbosity)
-        # `launch` prints its own per-sync table; its log lines (embedded PS included) show with -v only.
-        setup_logging(verbosity - 1 if command == "launch" else verbosity)
+        # `launch` and `ps up` print their own progress tables; their info log lines show with -v only.
+        setup_logging(verbosity - 1 if command in ("launch", "ps up") else verbosity)
         started = time.monotonic()
         code = HANDLERS[command](cfg)
         logger.debug("%s finished in %.1fs", command, time.monotonic() - started)

@@ -255,6 +255,8 @@ class PSConfig:
     max_delta_bytes: int = 8 << 30
     connect_timeout: timedelta = timedelta(seconds=30)
     rpc_timeout: timedelta = timedelta(minutes=10)
+    retry_budget: timedelta = timedelta(minutes=2)
+    heartbeat_interval: timedelta = timedelta(seconds=10)
     metrics_port: int = 0
     metrics_host: str = ""
 
@@ -263,6 +265,13 @@ class PSConfig:
         self.connect_timeout = parse_duration(self.connect_timeout, "ps.connect_timeout")
         self.rpc_timeout = parse_duration(self.rpc_timeout, "ps.rpc_timeout")
         self.shutdown_grace = parse_duration(self.shutdown_grace, "ps.shutdown_grace")
+        self.retry_budget = parse_duration(self.retry_budget, "ps.retry_budget")
+        self.heartbeat_interval = parse_duration(self.heartbeat_interval, "ps.heartbeat_interval")
+        _check(
+            self.heartbeat_interval >= timedelta(milliseconds=100),
+            "ps.heartbeat_interval",
+            f"must be at least 100ms (a site heartbeats this often while it trains), got {self.heartbeat_interval}",
+        )
         _check(0 <= self.port <= 65535, "ps.port", f"must be in 0..65535, got {self.port}")
         _check(
             0 <= self.metrics_port <= 65535,
@@ -416,9 +425,17 @@ class TrainConfig:
     max_syncs: int = 0
     seed: int = 0
     threads: int = 1
+    eval_every: int = 0
+    keep_best: int = 10
 
     def __post_init__(self) -> None:
         self.sync_interval = parse_duration(self.sync_interval, "train.sync_interval")
+        _check(
+            self.eval_every >= 0,
+            "train.eval_every",
+            f"must be 0 (only at each sync) or positive, got {self.eval_every}",
+        )
+        _check(self.keep_best >= 0, "train.keep_best", f"must be 0 (keep none) or positive, got {self.keep_best}")
         _check(self.lr > 0, "train.lr", f"must be positive, got {self.lr}")
         _check(self.batch_size >= 1, "train.batch_size", "must be at least 1")
         _check(

@@ -223,28 +223,6 @@ def test_newer_format_version_says_upgrade(tmp_path: Path) -> None:
         load_tensors(path)
 
 
-def test_format_version_1_files_with_sha256_still_load(tmp_path: Path) -> None:
-    path = tmp_path / "v1.gft"
-    save_tensors(
-        path,
-        {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.array(7, dtype=np.int64)},
-        {"step": 3},
-        version=1,
-    )
-    full = path.read_bytes()
-    (hlen,) = struct.unpack("<Q", full[8:16])
-    header = json.loads(full[16 : 16 + hlen])
-    assert header["version"] == 1 and "checksum" not in header  # as the first release wrote it
-    assert full[-40:-8] == hashlib.sha256(full[:-40]).digest()
-    tensors, meta = load_tensors(path)
-    assert meta == {"step": 3} and tensors["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and int(tensors["b"]) == 7
-    data = bytearray(path.read_bytes())
-    data[-50] ^= 0x01  # the last data byte
-    path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="sha256 checksum does not match"):
-        load_tensors(path)
-
-
 def test_current_files_name_their_checksum_and_reject_an_unknown_one(tmp_path: Path) -> None:
     path = _small_file(tmp_path)
     full = path.read_bytes()
@@ -444,3 +422,38 @@ def test_store_rejects_bad_arguments(tmp_path: Path) -> None:
         CheckpointStore(tmp_path, prefix="../up")
     with pytest.raises(ValueError, match="step"):
         CheckpointStore(tmp_path).save(-1, {}, {})
+
+
+def test_format_2_checks_every_block_and_format_1_still_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from geofed_hpc.ckpt import tensorfile
+
+    monkeypatch.setattr(tensorfile, "BLOCK", 4096)  # a 40 KB file of 10 blocks, read and hashed in parallel
+    tensors = {"w": np.arange(10_000, dtype=np.float32), "b": np.ones(7, np.int16), "e": np.zeros(0, np.float64)}
+    new, old = tmp_path / "new.gft", tmp_path / "old.gft"
+    save_tensors(new, tensors, {"k": 1})
+    save_tensors(old, tensors, {"k": 1}, version=1)
+    full = new.read_bytes()
+    (hlen,) = struct.unpack("<Q", full[8:16])
+    header = json.loads(full[16 : 16 + hlen])
+    assert header["version"] == 2 and header["checksum"] == "xxh3_128-blocks" and len(full) > 9 * 4096
+    old_full = old.read_bytes()
+    assert old_full[-40:-8] == hashlib.sha256(old_full[:-40]).digest()  # format 1: as the first release wrote it
+    for path in (new, old):
+        loaded, meta = load_tensors(path)
+        assert meta == {"k": 1} and set(loaded) == set(tensors)
+        for k, v in tensors.items():
+            np.testing.assert_array_equal(loaded[k], v)
+            assert loaded[k].flags.writeable
+    for pos in (16 + hlen + 8, 4096 * 3 + 7, len(full) - 41):  # in the header's block, a middle one, the last
+        data = bytearray(full)
+        data[pos] ^= 0x01
+        new.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError, match="checksum"):
+            load_tensors(new)
+    data = bytearray(old.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    old.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="sha256 checksum does not match"):
+        load_tensors(old)
+    with pytest.raises(ValueError, match="format version"):
+        save_tensors(tmp_path / "x.gft", tensors, {}, version=3)

@@ -48,3 +48,22 @@ def test_secret_file_is_owner_only_whatever_the_umask(tmp_path: Path) -> None:
     assert read_secret(tmp_path / "rejoin.json") == {"rejoin_token": "t1"}
     assert read_secret(tmp_path / "missing.json") == {}
     assert [p.name for p in tmp_path.iterdir()] == ["rejoin.json"]
+
+
+def test_would_keep_and_several_checkpoints_of_one_file_name(tmp_path: Path) -> None:
+    """Evaluations every N steps offer the same rolling latest file under names of their own."""
+    store = CheckpointStore(tmp_path / "ckpt", prefix="site", keep=1)
+    best = BestCheckpoints(tmp_path / "ckpt" / "best", keep=2)
+    assert best.would_keep(9.0) and not best.would_keep(math.nan)
+    for draws, loss in ((2, 5.0), (4, 4.0), (6, 4.5), (8, 6.0)):
+        path = store.save(0, {"w": np.full(4, draws, dtype=np.float32)}, {"draws": draws})
+        if best.would_keep(loss):
+            assert best.offer(path, loss, draws, name=f"{path.stem}-step{draws:09d}{path.suffix}")
+    assert [(e["step"], e["loss"]) for e in best.entries()] == [(4, 4.0), (6, 4.5)]
+    assert not best.would_keep(4.5) and best.would_keep(4.4)
+    kept = sorted(p.name for p in (tmp_path / "ckpt" / "best").glob("*.gft"))
+    assert kept == ["site-000000000-step000000004.gft", "site-000000000-step000000006.gft"]
+    from geofed_hpc.ckpt.tensorfile import load_tensors
+
+    tensors, meta = load_tensors(tmp_path / "ckpt" / "best" / kept[0])
+    assert meta["draws"] == 4 and tensors["w"][0] == 4  # the link kept the file as it was then

@@ -80,9 +80,9 @@ class ThrottledClient(PSClient):
 
     rate: float | None = None
 
-    def push_delta(self, header: m.PushHeader, payload: bytes) -> m.PushReply:
+    def push_delta(self, header: m.PushHeader, payload: bytes, budget: timedelta | None = None) -> m.PushReply:
         t0 = time.monotonic()
-        reply = super().push_delta(header, payload)
+        reply = super().push_delta(header, payload, budget)
         if self.rate:
             time.sleep(max(0.0, len(payload) / self.rate - (time.monotonic() - t0)))
         return reply

@@ -137,6 +137,7 @@ def test_local_federation_wandb_runs_hold_every_metric_name(tmp_path: Path) -> N
         f"run_dir={run_dir}",
         "train.max_syncs=2",
         "train.sync_interval=2s",
+        "train.eval_every=3",  # val/local_loss, train/step
         "data.max_tokens=60000",
         "data.val_batches=2",
         f"data.cache_dir={tmp_path / 'cache'}",

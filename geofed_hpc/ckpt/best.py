@@ -33,23 +33,30 @@ class BestCheckpoints:
         ok = [e for e in data if isinstance(e, dict) and (self.directory / str(e.get("file"))).is_file()]
         return sorted(ok, key=lambda e: e["loss"])
 
-    def offer(self, checkpoint: Path, loss: float, step: int) -> bool:
-        """Keep `checkpoint` if its loss is among the best `keep`; drop the one it displaces. True if kept."""
+    def would_keep(self, loss: float) -> bool:
+        """Whether a checkpoint with this loss would be kept (ask before writing one just to offer it)."""
         if self.keep == 0 or not math.isfinite(loss):
             return False
-        entries = [e for e in self.entries() if e["file"] != checkpoint.name]
+        entries = self.entries()
+        return len(entries) < self.keep or loss < entries[-1]["loss"]
+
+    def offer(self, checkpoint: Path, loss: float, step: int, name: str | None = None) -> bool:
+        """Keep `checkpoint` (linked as `name`, by default its own name) if its loss is among the best `keep`;
+        drop the one it displaces. True if kept."""
+        if self.keep == 0 or not math.isfinite(loss):
+            return False
+        name = name or checkpoint.name
+        entries = [e for e in self.entries() if e["file"] != name]
         if len(entries) >= self.keep and loss >= entries[-1]["loss"]:
             return False
         self.directory.mkdir(parents=True, exist_ok=True)
-        target = self.directory / checkpoint.name
+        target = self.directory / name
         target.unlink(missing_ok=True)
         try:
             os.link(checkpoint, target)
         except OSError:
             shutil.copy2(checkpoint, target)
-        entries = sorted(
-            [*entries, {"file": checkpoint.name, "loss": float(loss), "step": int(step)}], key=lambda e: e["loss"]
-        )
+        entries = sorted([*entries, {"file": name, "loss": float(loss), "step": int(step)}], key=lambda e: e["loss"])
         for dropped in entries[self.keep :]:
             (self.directory / dropped["file"]).unlink(missing_ok=True)
             logger.debug("dropped %s from the best checkpoints", dropped["file"])

@@ -49,7 +49,8 @@ class SiteRuntime:
 
 def collective_timeout(cfg: RunConfig) -> timedelta:
     """How long any collective may wait: followers sit in one while rank 0 pushes, pulls and checkpoints."""
-    return 2 * cfg.ps.rpc_timeout + cfg.ps.round_timeout + cfg.ps.connect_timeout + COLLECTIVE_SLACK
+    ps = cfg.ps
+    return 2 * (ps.rpc_timeout + ps.retry_budget) + ps.round_timeout + ps.connect_timeout + COLLECTIVE_SLACK
 
 
 def build_runtime(cfg: RunConfig, site_index: int, init: bool = True) -> SiteRuntime:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import signal
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,10 +23,19 @@ from geofed_hpc.ckpt import CheckpointStore
 from geofed_hpc.ckpt.best import BestCheckpoints
 from geofed_hpc.ckpt.secret import read_secret, write_secret
 from geofed_hpc.client.params import Arrays, delta
+from geofed_hpc.client.resilience import Deferred, HeartbeatClock, RidesOutages, push_budget
 from geofed_hpc.client.runtime import build_runtime
 from geofed_hpc.client.telemetry import RttMeter, SyncTimer, gpu_metrics, preemptions, rss_gb
 from geofed_hpc.config import CodecConfig, RunConfig, to_dict
-from geofed_hpc.errors import AuthError, CheckpointError, CodecError, GeofedError, ProtocolError, StaleError
+from geofed_hpc.errors import (
+    AuthError,
+    CheckpointError,
+    CodecError,
+    GeofedError,
+    ProtocolError,
+    StaleError,
+    UnavailableError,
+)
 from geofed_hpc.log import logger
 from geofed_hpc.metrics import Recorder
 from geofed_hpc.rpc import messages as m
@@ -58,7 +69,7 @@ class SyncResult:
     raw_bytes: int
 
 
-class SiteTrainer:
+class SiteTrainer(RidesOutages):
     """Trains one site's model and keeps it in step with the parameter server."""
 
     def __init__(self, cfg: RunConfig, site_index: int, ps_address: str) -> None:
@@ -76,12 +87,19 @@ class SiteTrainer:
         self.runtime = build_runtime(cfg, site_index, init=not resuming)  # resuming: weights come from disk
         self.group, self.rank = self.runtime.group, self.runtime.ranks.rank
         self.model, self.optimizer, self.sampler = self.runtime.model, self.runtime.optimizer, self.runtime.sampler
-        self.best = BestCheckpoints(self.dir / "ckpt" / "best", keep=int(getattr(cfg.train, "keep_best", 10)))
+        self.best = BestCheckpoints(self.dir / "ckpt" / "best", keep=cfg.train.keep_best)
         self.val_loss = math.nan
         self._disk_model: Arrays = {}
         self.store = CheckpointStore(self.dir / "ckpt", prefix="site", keep=2)
         self.base: Arrays = {}
+        self.base_global = True  # base is the PS's model at `version`, bit for bit (False: our pushed model)
         self.version = 0
+        self.deferred = Deferred()  # work not pushed yet because the PS was unreachable (resilience.py)
+        self.heartbeats = HeartbeatClock(cfg.ps.heartbeat_interval)
+        self.client: PSClient | None = None
+        self.rec: Recorder | None = None
+        self._push_id = ""
+        self._push_version = 0
         self.syncs = 0
         self.tokens_seen = 0
         self.session = m.JoinReply("", "", 0, False)
@@ -102,13 +120,15 @@ class SiteTrainer:
         self.preemptions = 0
 
     # ---------------------------------------------------------------- checkpoints
-    def _save(self, pending: dict[str, float] | None = None, pushed: bool = False) -> None:
-        """Checkpoint; `pending`: an unpushed part-interval (kept with its base), `pushed`: the delta is in."""
+    def _save(self, pending: dict[str, Any] | None = None, pushed: bool = False) -> Path:
+        """Checkpoint; `pending`: unpushed work (kept with its base, and what of it is deferred), `pushed`: the
+        delta is in. Returns the file written."""
         tensors: dict[str, np.ndarray] = {f"model/{k}": v for k, v in self.group.model_arrays().items()}
         tensors.update(self.group.optimizer_arrays())  # optim/<param>/<key>, gathered from every rank
         tensors.update(self.group.rng_state())
         if pending:  # the model is ahead of its base: resuming must be able to push local - base
             tensors.update({f"base/{k}": v for k, v in self.base.items()})
+            pending = {**pending, "deferred": self.deferred.to_meta()}
         tensors.update(self._codec_state()[0].state())  # residual/<param>: error feedback survives a requeue
         syncs = self._syncs_after_push if pushed else self.syncs
         meta = {
@@ -117,9 +137,11 @@ class SiteTrainer:
             "tokens_seen": self.tokens_seen,
             "sampler": self.sampler.state_dict(),
             "session_id": self.session.session_id,
+            "settings": dataclasses.asdict(self.session.settings),  # to train on if the PS is down at restart
             "pending": pending,
             "job_id": self.job_id,
-            "global_model": not pending and not pushed,  # the model is the PS's at `version`, bit for bit
+            "global_model": not pending and not pushed and self.base_global,  # the PS's model at `version`
+            "base_global": self.base_global,
             "val_loss": self.val_loss,
             "contribution_total": self.contribution_total,
             "scaler": self.group.stepper.scaler_state(),
@@ -128,6 +150,7 @@ class SiteTrainer:
         path = self.store.save(syncs, tensors, meta)
         if meta["global_model"]:
             self.best.offer(path, self.val_loss, syncs)
+        return path
 
     def _load(self) -> dict[str, Any] | None:
         loaded = self.store.load_latest()
@@ -149,6 +172,7 @@ class SiteTrainer:
         self.group.set_rng_state(tensors)
         self.group.set_scaler_state(meta.get("scaler") or {})
         self.base = {k[5:]: v for k, v in tensors.items() if k.startswith("base/")}
+        self.base_global = bool(meta.get("base_global", True))
         self._codec_state()[0].load(tensors)
         self.sampler.load_state_dict(meta["sampler"])
         self.syncs, self.tokens_seen = int(meta["syncs"]), int(meta["tokens_seen"])
@@ -204,12 +228,12 @@ class SiteTrainer:
             self._first_step_done = True
             self._event("first_step", resume_seconds=round(time.time() - self.started, 3))
         if self.stop_signal is not None:
-            elapsed = time.monotonic() - self._interval_start
-            self._save(pending={"steps": steps, "loss_sum": loss_sum, "elapsed_s": elapsed})
+            self._save(pending=self._pending(steps, loss_sum))
             self._stop()
 
     def _pushed(self) -> None:
         """The delta is in: until the next checkpoint (`_checkpointed`) a stop records `pushed`, leaves at once."""
+        self.deferred.clear()
         self._syncs_after_push = self.syncs + 1
         self.phase = "wait"
         if self.stop_signal is not None:
@@ -230,9 +254,11 @@ class SiteTrainer:
     def _resume(self, client: PSClient, meta: dict[str, Any] | None, settings: m.RunSettings, rec: Recorder) -> str:
         """Continue an interrupted interval, or push its work and take the live model when that is fresher."""
         pending = meta.get("pending") if meta else None
+        self.deferred = Deferred.from_meta(pending.get("deferred") if pending else None)
         if meta and pending and int(meta["version"]) == self.session.version:
-            self.version = int(meta["version"])
-            self._carry = (int(pending["steps"]), float(pending["loss_sum"]), float(pending["elapsed_s"]))
+            self.version, held = int(meta["version"]), self.deferred
+            steps, loss_sum = int(pending["steps"]) - held.steps, float(pending["loss_sum"]) - held.loss_sum
+            self._carry = (steps, loss_sum, float(pending["elapsed_s"]))  # deferred work goes out with it
             return "local"
         if meta and pending:
             self.version, steps = int(meta["version"]), int(pending["steps"])
@@ -252,6 +278,7 @@ class SiteTrainer:
                 )
             except StaleError as exc:
                 logger.warning("%s: %s; the %d steps before the requeue are dropped", self.name, exc, steps)
+                self.deferred.clear()
         if not self._disk_is_current(meta):
             self._pull(client, 0, timedelta(0))
         if pending:
@@ -272,7 +299,7 @@ class SiteTrainer:
     def _pull(self, client: PSClient, min_version: int, wait: timedelta) -> None:
         """Take the global model: only the PS's encoded updates since our version when it still keeps them
         (self.base stays bit-identical to the PS), the full model otherwise."""
-        have = self.version if self.base else None
+        have = self.version if self.base and self.base_global else None
         t0 = time.monotonic()
         header, payload = client.pull_model(self.session.session_id, min_version, wait, have_version=have)
         self.timer.pull_s += time.monotonic() - t0
@@ -293,7 +320,7 @@ class SiteTrainer:
             if have is not None and header.version < have:
                 logger.warning("%s: the PS is back at version %d (we held %d)", self.name, header.version, have)
         self.group.load_model(arrays)
-        self.base, self.version = arrays, header.version
+        self.base, self.version, self.base_global = arrays, header.version, True
 
     def _seed(self, client: PSClient, meta: dict[str, Any] | None) -> None:
         """The PS holds no model: upload ours (bootstrap), or re-seed it from this site's checkpoint."""
@@ -315,10 +342,16 @@ class SiteTrainer:
         return self.val_loss
 
     def _train_interval(self, settings: m.RunSettings) -> tuple[int, float]:
-        steps, loss_sum, elapsed = self._carry  # a requeued job finishes the interval it was in
+        """Train until the interval ends (its time, its steps, a heartbeat saying push now); return the steps
+        and mean loss since the base, deferred work included."""
+        done, loss_sum, elapsed = self._carry  # a requeued job finishes the interval it was in
         self._carry = (0, 0.0, 0.0)
+        held = self.deferred.steps  # intervals whose push failed go out with this one
+        steps, loss_sum = done + held, loss_sum + self.deferred.loss_sum
         self._interval_start = time.monotonic() - elapsed
         deadline = self._interval_start + settings.sync_interval_s
+        self.heartbeats.start()
+        eval_every = self.cfg.train.eval_every
         self.phase = "train"
         while True:
             loss, tokens, signalled = self.group.step()  # every rank: its slice, micro-batches, one optimizer step
@@ -328,12 +361,30 @@ class SiteTrainer:
             loss_sum += loss
             self.tokens_seen += tokens
             self._after_step(steps, loss_sum)
-            if settings.max_local_steps and steps >= settings.max_local_steps:
+            if eval_every and self.sampler.draws % eval_every == 0:
+                self._evaluate_local(steps, loss_sum)
+            if settings.max_local_steps and steps - held >= settings.max_local_steps:
                 break
             if settings.sync_interval_s > 0 and time.monotonic() >= deadline:
                 break
+            if self.heartbeats.due() and self._heartbeat_ends_interval(steps):
+                break
         self.phase = "busy"
         return steps, loss_sum / steps
+
+    def _pending(self, steps: int, loss_sum: float) -> dict[str, Any]:
+        return {"steps": steps, "loss_sum": loss_sum, "elapsed_s": time.monotonic() - self._interval_start}
+
+    def _evaluate_local(self, steps: int, loss_sum: float) -> None:
+        """train.eval_every: the local model's validation loss. When it is among the train.keep_best lowest, a
+        checkpoint (resumable: the part-interval is kept with its base) joins the best ones."""
+        loss = self.group.evaluate()
+        draws = self.sampler.draws
+        if self.rec is not None:
+            self.rec.log({"val/local_loss": loss, "train/step": draws, "sync/version": self.version})
+        if self.best.would_keep(loss):
+            path = self._save(pending=self._pending(steps, loss_sum))
+            self.best.offer(path, loss, draws, name=f"{path.stem}-step{draws:09d}{path.suffix}")
 
     def _codec_state(self) -> tuple[codec.ErrorFeedback, codec.LinkAdaptive]:
         """This site's error-feedback residual and link-adaptive codec choice (made on first use)."""
@@ -364,16 +415,24 @@ class SiteTrainer:
             name,
             0,
             b"",
-            "",
+            self.deferred.push_id or uuid.uuid4().hex,  # one id for every attempt of this work (resilience.py)
             train_loss=loss,
         )
+        self._push_id = header.push_id
         t0 = time.monotonic()
-        reply = client.push_delta(header, payload)
+        reply = client.push_delta(header, payload, budget=push_budget(self.cfg.ps, self.deferred))
         link.observe(name, len(payload), raw // 4, time.monotonic() - t0)
         self.timer.push_s += time.monotonic() - t_enc
         self.timer.staleness = reply.staleness
         if reply.accepted:
             feedback.commit(residual)  # a refused push keeps the old residual; its delta is dropped
+            self._push_version = reply.version
+            if reply.duplicate and self.deferred.active:
+                logger.warning(
+                    "%s: an earlier attempt of this push reached the PS (its reply was lost): it is applied once; "
+                    "the steps trained after that attempt are not in the global model",
+                    self.name,
+                )
             if not reply.duplicate:
                 self.timer.contribution = header.tokens
                 self.contribution_total += header.tokens
@@ -385,10 +444,13 @@ class SiteTrainer:
         """This sync's transfer, link, memory and contribution metrics; one Heartbeat measures the RTT and tells
         the PS the validation loss of the global model we just evaluated (its ps/global_val_loss)."""
         t0 = time.monotonic()
-        client.heartbeat(
-            m.HeartbeatRequest(self.session.session_id, self.version, val_loss=val_loss if val_loss > 0 else 0.0)
-        )
-        rtt = self.rtt.add(time.monotonic() - t0)
+        reported = val_loss if val_loss > 0 and self.base_global else 0.0  # only the global model's loss
+        try:
+            client.heartbeat(m.HeartbeatRequest(self.session.session_id, self.version, val_loss=reported))
+            rtt = self.rtt.add(time.monotonic() - t0)
+        except GeofedError as exc:
+            logger.warning("%s: heartbeat after the sync failed: %s", self.name, exc)
+            rtt = {}
         return {
             **self.timer.metrics(sent, sync_s),
             **rtt,
@@ -448,9 +510,14 @@ class SiteTrainer:
                 config=to_dict(cfg),
             ) as rec,
         ):
-            client.connect()
-            self.session = self._join(client, meta)
-            self._keep_token()
+            self.client, self.rec = client, rec
+            client.keep_retrying = lambda: self.stop_signal is None  # a stop saves the unpushed work instead
+            try:
+                client.connect()
+                self.session = self._join(client, meta)
+                self._keep_token()
+            except UnavailableError as exc:
+                self.session = self._offline_session(meta, exc)  # train from the checkpoint, or raise exc
             settings = self.session.settings
             if not self.session.initialized:
                 self._seed(client, meta)
@@ -468,7 +535,10 @@ class SiteTrainer:
                 rec.log({"val/loss": self.evaluate(), "sync/version": self.version, "sync/index": 0})
                 if self.val_loss > 0:  # the PS's ps/global_val_loss starts at version 0 too
                     sid = self.session.session_id
-                    client.heartbeat(m.HeartbeatRequest(sid, self.version, val_loss=self.val_loss))
+                    try:
+                        client.heartbeat(m.HeartbeatRequest(sid, self.version, val_loss=self.val_loss))
+                    except GeofedError as exc:
+                        logger.warning("%s: could not report the first evaluation: %s", self.name, exc)
             results = []
             while not cfg.train.max_syncs or self.syncs < cfg.train.max_syncs:
                 t0 = time.monotonic()
@@ -476,16 +546,23 @@ class SiteTrainer:
                 steps, train_loss = self._train_interval(settings)
                 train_s = time.monotonic() - t0
                 t1 = time.monotonic()
+                held, offline_s = self.deferred.intervals, self.deferred.offline_seconds()
                 try:
                     sent, raw = self._push(client, settings, steps, train_loss)
                     self._pushed()
                     push_s = time.monotonic() - t1
-                    wait = cfg.ps.round_timeout + EXTRA_PULL_WAIT
-                    self._pull(client, self.version + 1, wait)
+                    self._pull_after_push(client, cfg.ps.round_timeout + EXTRA_PULL_WAIT)
                 except StaleError as exc:
                     logger.warning("%s: %s; dropping this delta and pulling the latest model", self.name, exc)
+                    self.deferred.clear()
                     sent, raw, push_s = 0, 0, time.monotonic() - t1
                     self._pull(client, 0, timedelta(0))
+                except UnavailableError as exc:  # the push's retry budget is spent: train on, push later
+                    self._defer(steps, train_loss, exc)
+                    continue
+                if held:
+                    logger.info("%s: pushed %d steps trained while the PS was unreachable", self.name, steps)
+                    self._event("deferred_pushed", steps=steps, intervals=held, offline_s=round(offline_s, 1))
                 self.syncs += 1
                 sync_s = time.monotonic() - t0
                 val_loss = self.evaluate()
@@ -504,11 +581,16 @@ class SiteTrainer:
                         "sync/bytes_sent": sent,
                         "sync/compression_ratio": raw / sent if sent else math.nan,
                         "sync/push_seconds": push_s,
+                        "sync/deferred_intervals": held,
+                        "sync/offline_seconds": offline_s,
                     }
                 )
                 self._save()
                 self._checkpointed()
-            client.heartbeat(m.HeartbeatRequest(self.session.session_id, self.version, leaving=True))
+            try:
+                client.heartbeat(m.HeartbeatRequest(self.session.session_id, self.version, leaving=True))
+            except GeofedError as exc:
+                logger.warning("%s: could not tell the PS we leave: %s", self.name, exc)
         final = results[-1].val_loss if results else math.nan
         logger.info("%s: done after %d syncs at version %d, val loss %.4f", self.name, self.syncs, self.version, final)
         return {"site": self.name, "syncs": self.syncs, "version": self.version, "val_loss": final}

@@ -6,6 +6,7 @@ import ctypes
 import ctypes.util
 import signal
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -151,12 +152,14 @@ class ParameterServer:
             self.logic.snapshot_version,
         )
 
-    def wait_for_signal(self) -> None:
-        """Block until SIGINT or SIGTERM, then stop gracefully (a final snapshot is written)."""
+    def wait_for_signal(self, every_second: Callable[[], None] | None = None) -> None:
+        """Block until SIGINT or SIGTERM (calling `every_second` meanwhile: progress output), then stop
+        gracefully (a final snapshot is written)."""
         done = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: done.set())
         while not done.wait(1.0):
-            pass
+            if every_second is not None:
+                every_second()
         logger.info("signal received")
         self.stop()

@@ -14,7 +14,7 @@ from geofed_hpc.errors import CodecError, GeofedError, ProtocolError, StaleError
 from geofed_hpc.log import logger
 from geofed_hpc.ps.aggregate import Params, staleness_discount
 from geofed_hpc.ps.sessions import Session
-from geofed_hpc.ps.state import GlobalState
+from geofed_hpc.ps.state import Contribution, GlobalState
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import first_header, to_chunks
 
@@ -227,6 +227,7 @@ class ParameterServerLogic(GlobalState):
                 self.rounds.discard(prepared)
                 raise StaleError(f"delta is {staleness} versions stale (max {self.cfg.max_staleness}): pull again")
             self.rounds.admit(prepared, staleness_discount(staleness))
+            self._contributions.append(Contribution(session.site, staleness, header.tokens, nbytes))
             session.pushes += 1
             session.tokens += header.tokens
             session.last_base_version = header.base_version

@@ -5,9 +5,10 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,31 @@ from geofed_hpc.rpc.stream import digest
 
 PERSISTED_PUSH_IDS = 2_000
 CHAIN_CACHE = 4  # update chains kept ready per version (sites at different versions ask for different ones)
+APPLIED_KEPT = 256  # recent global updates kept for `ps up`'s progress lines
+
+
+@dataclass
+class Contribution:
+    """One delta admitted to the open round."""
+
+    site: str
+    staleness: int
+    tokens: int
+    nbytes: int
+
+
+@dataclass
+class AppliedVersion:
+    """One global update: which sites' deltas made it, how stale, how many tokens and bytes."""
+
+    version: int
+    time: float
+    sites: list[str]
+    staleness: int  # the largest among its deltas
+    tokens: int
+    nbytes: int
+    active: int
+    why: str
 
 
 class GlobalState:
@@ -69,6 +95,8 @@ class GlobalState:
         self.bytes_received_total = 0
         self.val_losses: dict[str, tuple[int, float]] = {}  # site -> (version it evaluated, validation loss)
         self.on_site_metrics: Callable[[str, dict[str, float]], None] | None = None
+        self.applied: deque[AppliedVersion] = deque(maxlen=APPLIED_KEPT)
+        self._contributions: list[Contribution] = []  # of the open round
         if self._snapshots is not None:
             self._restore()
         if cfg.init_from:
@@ -85,6 +113,7 @@ class GlobalState:
         self._spec = {k: (tuple(v.shape), "float32") for k, v in params.items()}
         self.version = version
         self.rounds.clear()
+        self._contributions = []
         self.rounds.spec = {k: s for k, (s, _) in self._spec.items()}
         self._new_version_caches()
 
@@ -169,6 +198,7 @@ class GlobalState:
     def _close_round(self, why: str) -> None:
         """Aggregate the open round, step the outer optimizer, publish and apply the update (hold the lock)."""
         assert self.params is not None
+        parts, self._contributions = self._contributions, []
         try:
             delta, count = self.rounds.close()
             update = self.outer.step(delta)
@@ -179,6 +209,18 @@ class GlobalState:
         add_update(self.params, applied)
         self.version += 1
         self._new_version_caches()
+        self.applied.append(
+            AppliedVersion(
+                self.version,
+                time.time(),
+                [c.site for c in parts],
+                max((c.staleness for c in parts), default=0),
+                sum(c.tokens for c in parts),
+                sum(c.nbytes for c in parts),
+                len(self.sessions.active()),
+                why,
+            )
+        )
         if self.version % self.cfg.snapshot_every == 0:
             self._snapshot()
         self._cond.notify_all()
@@ -234,6 +276,11 @@ class GlobalState:
             self._model_cache = (now, payload, digest(payload))
         _, payload, sha = self._model_cache
         return m.ModelHeader(now, "fp32", len(payload), sha, "full", now), payload
+
+    def applied_since(self, version: int) -> list[dict]:
+        """The kept global updates after `version`, oldest first, as plain dicts."""
+        with self._cond:
+            return [asdict(a) for a in self.applied if a.version > version]
 
     def global_val_loss(self) -> tuple[int, float]:
         """The newest version any site evaluated, and the mean validation loss the sites reported for it

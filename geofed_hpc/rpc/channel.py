@@ -16,6 +16,9 @@ from geofed_hpc.errors import ConfigError
 CLIENT_KEEPALIVE_MS = 30_000
 SERVER_MIN_PING_INTERVAL_MS = 10_000
 SERVER_KEEPALIVE_MS = 60_000
+# After an outage gRPC redials with its own backoff (by default up to 120 s): cap it, so a PS that is back
+# is found within seconds by the retries in rpc/client.py.
+MAX_RECONNECT_BACKOFF_MS = 5_000
 
 
 def client_options(cfg: PSConfig, keepalive_ms: int = CLIENT_KEEPALIVE_MS) -> list[tuple[str, Any]]:
@@ -27,6 +30,8 @@ def client_options(cfg: PSConfig, keepalive_ms: int = CLIENT_KEEPALIVE_MS) -> li
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.enable_http_proxy", 1),  # honour https_proxy / grpc_proxy on compute nodes
+        ("grpc.initial_reconnect_backoff_ms", 1_000),
+        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
     ]
 
 

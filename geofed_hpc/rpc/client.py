@@ -16,10 +16,15 @@ from geofed_hpc.log import logger
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc import serde
 from geofed_hpc.rpc.channel import channel_credentials, client_options
+from geofed_hpc.rpc.retry import Backoff
 from geofed_hpc.rpc.stream import collect, digest, to_chunks
 
 T = TypeVar("T")
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# Join, Heartbeat, Status and Health are small and asked again soon: a short retry budget and deadline, so a
+# site's training loop or an operator's `status` never sits through a long outage on them.
+QUICK_BUDGET = timedelta(seconds=4)
+QUICK_TIMEOUT = timedelta(seconds=15)
 
 
 class PSClient:
@@ -34,6 +39,8 @@ class PSClient:
             self._channel = grpc.secure_channel(self.address, channel_credentials(cfg), options=client_options(cfg))
         self._calls: dict[str, Any] = {}
         self.last_pull_wait_s = 0.0
+        # asked before each retry: a site that is told to stop (Slurm's warning signal) stops retrying at once
+        self.keep_retrying: Callable[[], bool] = lambda: True
         for meth in serde.METHODS:
             kind = (
                 self._channel.stream_unary
@@ -82,22 +89,25 @@ class PSClient:
             f"to this host (firewall, proxy), that ps.address is right, and that ps.insecure matches the server"
         )
 
-    def _call(self, name: str, fn: Callable[[], T], retries: int = 3) -> T:
-        wait = 0.5
-        for attempt in range(retries + 1):
+    def _call(self, name: str, fn: Callable[[], T], budget: timedelta | None = None) -> T:
+        """Call `fn`; while it fails with UNAVAILABLE or DEADLINE_EXCEEDED, retry with jittered exponential
+        backoff until `budget` (ps.retry_budget by default) is spent, then raise UnavailableError."""
+        backoff = Backoff(self.cfg.retry_budget if budget is None else budget)
+        while True:
             try:
                 return fn()
             except grpc.RpcError as exc:
                 code = exc.code()
-                if code in _RETRYABLE and attempt < retries:
-                    logger.warning(
-                        "%s to %s failed (%s); retry %d in %.1fs", name, self.address, code.name, attempt + 1, wait
-                    )
-                    time.sleep(wait)
-                    wait = min(wait * 2, 8.0)
-                    continue
-                raise self._error(name, exc) from None
-        raise AssertionError("unreachable")
+                wait = backoff.next_wait() if code in _RETRYABLE and self.keep_retrying() else None
+                if wait is None:
+                    error = self._error(name, exc)
+                    if code in _RETRYABLE and backoff.attempts > 1:
+                        error = UnavailableError(f"{error} ({backoff.attempts} attempts in {backoff.elapsed:.0f}s)")
+                    raise error from None
+                logger.warning(
+                    "%s to %s failed (%s); retry %d in %.1fs", name, self.address, code.name, backoff.attempts, wait
+                )
+                time.sleep(wait)
 
     def _error(self, name: str, exc: grpc.RpcError) -> GeofedError:
         code, details = exc.code(), exc.details() or ""
@@ -109,18 +119,26 @@ class PSClient:
         return self.cfg.rpc_timeout.total_seconds()
 
     def join(self, request: m.JoinRequest) -> m.JoinReply:
-        return self._call("Join", lambda: self._calls["Join"](request, timeout=self._timeout()))
+        """Join (after `connect`, which waits for the PS): retried briefly, so a TLS or proxy mistake shows now."""
+        return self._call("Join", lambda: self._calls["Join"](request, timeout=self._timeout()), QUICK_BUDGET)
 
-    def heartbeat(self, request: m.HeartbeatRequest) -> m.HeartbeatReply:
-        return self._call("Heartbeat", lambda: self._calls["Heartbeat"](request, timeout=self._timeout()))
+    def _quick(self) -> float:
+        return min(self._timeout(), QUICK_TIMEOUT.total_seconds())
+
+    def heartbeat(
+        self, request: m.HeartbeatRequest, budget: timedelta = QUICK_BUDGET, timeout: timedelta | None = None
+    ) -> m.HeartbeatReply:
+        call, seconds = self._calls["Heartbeat"], timeout.total_seconds() if timeout else self._quick()
+        return self._call("Heartbeat", lambda: call(request, timeout=seconds), budget)
 
     def status(self) -> m.StatusReply:
-        return self._call("Status", lambda: self._calls["Status"](m.StatusRequest(), timeout=self._timeout()))
+        call = self._calls["Status"]
+        return self._call("Status", lambda: call(m.StatusRequest(), timeout=self._quick()), QUICK_BUDGET)
 
     def health(self, service: str = serde.SERVICE) -> str:
         """The grpc.health.v1 status of `service` ("" for the whole server): SERVING, NOT_SERVING, ..."""
         check = serde.health_check(self._channel)
-        return self._call("Health", lambda: check(service, self._timeout()))
+        return self._call("Health", lambda: check(service, self._quick()), QUICK_BUDGET)
 
     def pull_model(
         self,
@@ -128,6 +146,7 @@ class PSClient:
         min_version: int = 0,
         wait: timedelta = timedelta(0),
         have_version: int | None = None,
+        budget: timedelta | None = None,
     ) -> tuple[m.ModelHeader, bytes]:
         """Stream the global model at a version >= min_version (waiting up to `wait` for it).
 
@@ -158,10 +177,11 @@ class PSClient:
             assert isinstance(header, m.ModelHeader)
             return header, payload
 
-        return self._call("StreamModel", pull)
+        return self._call("StreamModel", pull, budget)
 
-    def push_delta(self, header: m.PushHeader, payload: bytes) -> m.PushReply:
-        """Stream one payload; a retry resends the same push_id so it is never applied twice."""
+    def push_delta(self, header: m.PushHeader, payload: bytes, budget: timedelta | None = None) -> m.PushReply:
+        """Stream one payload, retransmitting within `budget` (ps.retry_budget by default); every retry resends
+        the same push_id, so a push the PS got but whose reply was lost is never applied twice."""
         header.total_bytes = len(payload)
         header.sha256 = digest(payload)
         header.push_id = header.push_id or uuid.uuid4().hex
@@ -170,4 +190,4 @@ class PSClient:
             chunks: Iterator[m.Chunk] = to_chunks(header, payload, self.cfg.chunk_bytes)
             return self._calls["PushDelta"](chunks, timeout=self._timeout())
 
-        return self._call("PushDelta", push)
+        return self._call("PushDelta", push, budget)

@@ -1,0 +1,188 @@
+"""Riding out an unreachable parameter server: train on, push all work since the recorded base later, as one."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, fields
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from geofed_hpc.client.group import SiteGroup
+from geofed_hpc.config import PSConfig, RunConfig
+from geofed_hpc.errors import GeofedError, UnavailableError
+from geofed_hpc.log import logger
+from geofed_hpc.metrics import Recorder
+from geofed_hpc.rpc import messages as m
+from geofed_hpc.rpc.client import PSClient
+
+# Once a push has spent ps.retry_budget, the site trains on; the attempts at the end of each later interval
+# (and the heartbeats in between) are short: the next interval is the retry.
+OFFLINE_ATTEMPT_BUDGET = timedelta(seconds=10)
+# A heartbeat between training steps waits at most this long (a PS behind a dropped link must not stall training).
+TRAINING_HEARTBEAT_TIMEOUT = timedelta(seconds=3)
+
+
+@dataclass
+class Deferred:
+    """Local work whose push failed because the PS was unreachable. It stays relative to the base version the
+    site last pulled, and goes out with the next interval's work as one delta (local - base). Every attempt
+    reuses `push_id`, so an attempt the PS got but whose reply was lost is never applied a second time."""
+
+    steps: int = 0
+    loss_sum: float = 0.0
+    intervals: int = 0
+    push_id: str = ""
+    since: float = 0.0  # time.time() of the first failed push
+
+    @property
+    def active(self) -> bool:
+        return self.intervals > 0
+
+    def record(self, steps: int, loss_sum: float, push_id: str) -> bool:
+        """One more interval could not be pushed; `steps`/`loss_sum` are the totals since the base. True for
+        the first one of an outage."""
+        first = not self.active
+        if first:
+            self.since, self.push_id = time.time(), push_id
+        self.steps, self.loss_sum, self.intervals = steps, loss_sum, self.intervals + 1
+        return first
+
+    def offline_seconds(self) -> float:
+        return time.time() - self.since if self.active else 0.0
+
+    def clear(self) -> None:
+        self.steps, self.loss_sum, self.intervals, self.push_id, self.since = 0, 0.0, 0, "", 0.0
+
+    def to_meta(self) -> dict[str, Any] | None:
+        return asdict(self) if self.active else None
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any] | None) -> Deferred:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in (meta or {}).items() if k in names})
+
+
+def push_budget(cfg: PSConfig, deferred: Deferred) -> timedelta:
+    """How long a push may keep retransmitting: ps.retry_budget, or a short attempt while already offline."""
+    return min(cfg.retry_budget, OFFLINE_ATTEMPT_BUDGET) if deferred.active else cfg.retry_budget
+
+
+@dataclass
+class HeartbeatClock:
+    """When the next heartbeat of a training interval is due (every ps.heartbeat_interval)."""
+
+    interval: timedelta
+    _next: float = 0.0
+
+    def start(self) -> None:
+        self._next = time.monotonic() + self.interval.total_seconds()
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.interval.total_seconds()
+        return True
+
+
+class _Site(Protocol):
+    """What RidesOutages needs of the trainer it is part of (client/trainer.py SiteTrainer)."""
+
+    cfg: RunConfig
+    name: str
+    group: SiteGroup
+    client: PSClient | None
+    rec: Recorder | None
+    session: m.JoinReply
+    deferred: Deferred
+    base: dict[str, np.ndarray]
+    base_global: bool
+    version: int
+    _push_id: str
+    _push_version: int
+
+    def _event(self, event: str, **fields: Any) -> None: ...
+
+    def _save(self, pending: dict[str, Any] | None = None, pushed: bool = False) -> Path: ...
+
+    def _checkpointed(self) -> None: ...
+
+    def _pull(self, client: PSClient, min_version: int, wait: timedelta) -> None: ...
+
+
+class RidesOutages:
+    """SiteTrainer's steps for a PS that does not answer: a start from the checkpoint alone, heartbeats while
+    training, a deferred push, training on from the local model when the pull after a push fails."""
+
+    def _offline_session(self: _Site, meta: dict[str, Any] | None, exc: UnavailableError) -> m.JoinReply:
+        """The PS is unreachable as the job starts. A checkpoint that holds a base (the global model at its
+        version, or unpushed work with its base), its session and the run settings is enough to train on: its
+        work goes out, as a deferred push, when the PS answers. Without one, `exc` is raised."""
+        if not meta or not (meta.get("session_id") and meta.get("settings")):
+            raise exc
+        if not (meta.get("pending") or meta.get("global_model")):  # a pushed delta's pull never came: need the PS
+            raise exc
+        version = int(meta["version"])
+        logger.warning(
+            "%s: %s; training on from the local checkpoint (version %d): its work goes out when the PS answers",
+            self.name,
+            exc,
+            version,
+        )
+        self._event("offline_start", version=version, error=str(exc)[:300])
+        known = {f.name for f in fields(m.RunSettings)}
+        settings = m.RunSettings(**{k: v for k, v in meta["settings"].items() if k in known})
+        return m.JoinReply(str(meta["session_id"]), "", version, True, settings)
+
+    def _heartbeat_ends_interval(self: _Site, steps: int) -> bool:
+        """A heartbeat while training (liveness). True ends the interval: in sync mode the PS says the round
+        waits for us ("sync now"); after a failed push, the PS answers again."""
+        if self.client is None:
+            return False
+        request = m.HeartbeatRequest(self.session.session_id, self.version, local_steps=steps)
+        try:
+            reply = self.client.heartbeat(request, budget=timedelta(0), timeout=TRAINING_HEARTBEAT_TIMEOUT)
+        except GeofedError as exc:  # unreachable (or the PS forgot us): the push at the interval's end says
+            logger.debug("%s: heartbeat failed: %s", self.name, exc)
+            return False
+        if self.deferred.active:
+            logger.info("%s: the parameter server answers again; pushing the deferred work now", self.name)
+            self._event("ps_reachable", version=reply.version, offline_s=round(self.deferred.offline_seconds(), 1))
+            return True
+        if reply.sync_now:
+            logger.info("%s: the round waits for us (sync now): pushing after %d local steps", self.name, steps)
+            self._event("sync_now", steps=steps, version=self.version, global_version=reply.version)
+            return True
+        return False
+
+    def _pull_after_push(self: _Site, client: PSClient, wait: timedelta) -> None:
+        """Pull the version after our push. If the PS became unreachable since the push went in, train on from
+        the local model: it becomes the base at the version pushed to (not bit-identical to the PS: the next
+        pull is a full one)."""
+        try:
+            self._pull(client, self.version + 1, wait)
+        except UnavailableError as exc:
+            logger.warning("%s: %s; our delta is in, training on from the local model", self.name, exc)
+            self._event("pull_failed", version=self._push_version, error=str(exc)[:300])
+            self.base = {k: np.array(v, copy=True) for k, v in self.group.model_arrays().items()}
+            self.version, self.base_global = self._push_version, False
+
+    def _defer(self: _Site, steps: int, loss: float, exc: UnavailableError) -> None:
+        """The PS stayed unreachable for the whole retry budget: keep this work (still relative to the same base)
+        for the next push, checkpoint it with its base, train on."""
+        if self.deferred.record(steps, loss * steps, self._push_id):
+            logger.warning(
+                "%s: %s; training on: the %d steps since version %d go out when the PS answers again",
+                self.name,
+                exc,
+                steps,
+                self.version,
+            )
+        self._event("push_deferred", version=self.version, steps=steps, intervals=self.deferred.intervals)
+        if self.rec is not None:
+            self.rec.log({"sync/deferred_intervals": self.deferred.intervals, "sync/version": self.version})
+        self._save(pending={"steps": steps, "loss_sum": loss * steps, "elapsed_s": 0.0})
+        self._checkpointed()

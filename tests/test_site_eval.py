@@ -1,0 +1,58 @@
+"""A site evaluating its local model every N steps against a real PS keeps the k best checkpoints by loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from geofed_hpc.ckpt.best import BestCheckpoints
+from geofed_hpc.ckpt.tensorfile import load_tensors
+from geofed_hpc.config import CodecConfig, DataConfig, RunConfig, SiteConfig, TrainConfig, to_dict
+from geofed_hpc.data.shards import prepare_shards
+from geofed_hpc.metrics import read_jsonl
+from geofed_hpc.ps.app import ParameterServer
+from tests.conftest import ps_config
+from tests.site_procs import Site
+from tests.test_site_client import BATCH, MODEL
+
+pytestmark = pytest.mark.slow
+
+
+def test_eval_every_n_steps_keeps_the_k_lowest_losses(tmp_path: Path) -> None:
+    shards = tmp_path / "shards"
+    data = DataConfig(source="bible", max_tokens=40000, val_fraction=0.05, cache_dir=str(tmp_path / "cache"))
+    prepare_shards(data, shards, 1)
+    train = TrainConfig(sync_interval="60s", max_local_steps=5)
+    ps = ParameterServer(RunConfig(ps=ps_config(aggregation="async"), train=train, codec=CodecConfig(name="int8")))
+    cfg = RunConfig(
+        federation="t",
+        run_dir=str(tmp_path / "run"),
+        wandb_mode="disabled",
+        site=SiteConfig(num_sites=1),
+        model=MODEL,
+        ps=ps_config(),
+        data=DataConfig(source=str(shards), val_batches=2),
+        train=TrainConfig(batch_size=BATCH, lr=1e-2, sync_interval="60s", max_syncs=2, eval_every=2, keep_best=3),
+    )
+    site = Site(to_dict(cfg), tmp_path, ps.address)
+    try:
+        assert site.wait(timeout=300) == [0], site.output()
+    finally:
+        site.close()
+        ps.stop()
+    records = read_jsonl(tmp_path / "run" / "metrics" / "local-0.metrics.jsonl")
+    local = [r for r in records if "val/local_loss" in r]
+    assert [r["train/step"] for r in local] == [2, 4, 6, 8, 10]  # 2 syncs of 5 steps, every 2nd step
+    at_sync = [r["val/loss"] for r in records if "val/loss" in r and r.get("sync/index", 0) >= 1]
+    assert len(at_sync) == 2
+    candidates = sorted([r["val/local_loss"] for r in local] + at_sync)
+    best_dir = tmp_path / "run" / "sites" / "local-0" / "ckpt" / "best"
+    entries = BestCheckpoints(best_dir, keep=3).entries()
+    assert [e["loss"] for e in entries] == candidates[:3]  # exactly the 3 lowest of every evaluation
+    assert len({e["file"] for e in entries}) == 3
+    for e in entries:
+        tensors, meta = load_tensors(best_dir / e["file"])  # each is a whole, loadable checkpoint
+        assert any(k.startswith("model/") for k in tensors) and any(k.startswith("optim/") for k in tensors)
+        if meta["pending"]:  # taken mid-interval: resumable, its base kept with it
+            assert meta["sampler"]["draws"] == e["step"] and any(k.startswith("base/") for k in tensors)

@@ -1,0 +1,356 @@
+"""A site against a parameter server that goes away and comes back on the same port: retries under a time
+budget, training on through the outage, one deferred push against the recorded base, sync-now hints."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from geofed_hpc import codec
+from geofed_hpc.ckpt import CheckpointStore
+from geofed_hpc.config import CodecConfig, DataConfig, RunConfig, SiteConfig, TrainConfig, to_dict
+from geofed_hpc.data.shards import prepare_shards
+from geofed_hpc.errors import UnavailableError
+from geofed_hpc.metrics import read_jsonl
+from geofed_hpc.ps.app import ParameterServer
+from geofed_hpc.rpc import messages as m
+from geofed_hpc.rpc.client import PSClient
+from geofed_hpc.rpc.retry import Backoff
+from tests.conftest import ps_config, small_params
+from tests.dist_util import free_port
+from tests.site_procs import Site, events, wait_for
+from tests.test_site_client import BATCH, MODEL
+
+FP32 = CodecConfig(name="fp32")
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("shards")
+    cache = tmp_path_factory.mktemp("cache")
+    prepare_shards(DataConfig(source="bible", max_tokens=40000, val_fraction=0.05, cache_dir=str(cache)), out, 2)
+    return out
+
+
+def test_backoff_doubles_with_jitter_and_stops_at_the_budget() -> None:
+    now = [0.0]
+    backoff = Backoff(timedelta(seconds=20), clock=lambda: now[0], rng=random.Random(1))
+    waits = []
+    while (wait := backoff.next_wait()) is not None:
+        waits.append(wait)
+        now[0] += wait
+    assert now[0] == pytest.approx(20.0)  # retried right up to the budget, never past it
+    caps = [0.5, 1, 2, 4, 8, 8, 8, 8, 8, 8, 8, 8]
+    assert all(cap / 2 <= w <= cap for w, cap in zip(waits[:-1], caps, strict=False))
+    assert len(set(waits)) == len(waits)  # jittered, not a fixed schedule
+    assert Backoff(timedelta(0)).next_wait() is None  # no budget: no retry
+
+
+def ps_run_config(folder: Path, port: int, **ps: Any) -> RunConfig:
+    train = TrainConfig(sync_interval="60s", max_local_steps=3)
+    cfg = ps_config(port=port, state_dir=str(folder / "ps"), **ps)
+    return RunConfig(ps=cfg, train=train, codec=CodecConfig(name="int8"), wandb_mode="disabled")
+
+
+def test_a_push_rides_out_an_outage_shorter_than_the_retry_budget(tmp_path: Path) -> None:
+    port = free_port()
+    cfg = ps_run_config(tmp_path, port, aggregation="async")
+    ps = ParameterServer(cfg)
+    restarted: list[ParameterServer] = []
+    try:
+        client_cfg = ps_config(port=port, retry_budget="60s")
+        with PSClient(client_cfg, ps.address) as client:
+            client.connect(timedelta(seconds=10))
+            session = client.join(m.JoinRequest("site-a"))
+            init = m.PushHeader(session.session_id, 0, 0, 0, "fp32", 0, b"", "", init=True)
+            assert client.push_delta(init, codec.encode(small_params(), FP32)).accepted
+            ps.stop()  # snapshot on the way down; nothing listens on the port now
+
+            def restart() -> None:
+                time.sleep(3.0)
+                restarted.append(ParameterServer(cfg))
+
+            thread = threading.Thread(target=restart)
+            thread.start()
+            step = {k: np.full_like(v, 0.01) for k, v in small_params().items()}
+            header = m.PushHeader(session.session_id, 0, 1, 10, "fp32", 0, b"", "")
+            reply = client.push_delta(header, codec.encode(step, FP32))  # retried until the PS is back
+            thread.join()
+            assert reply.accepted and reply.version == 1 and not reply.duplicate
+            assert restarted[0].logic.version == 1
+            again = client.push_delta(header, codec.encode(step, FP32))  # same push id: not applied twice
+            assert again.duplicate and restarted[0].logic.version == 1
+        restarted[0].stop()
+        short = ps_config(port=port, retry_budget="1s")
+        with PSClient(short, f"127.0.0.1:{port}") as client, pytest.raises(UnavailableError, match="attempts in"):
+            client.push_delta(header, codec.encode(step, FP32))
+    finally:
+        ps.stop()
+        for server in restarted:
+            server.stop()
+
+
+def site_cfg(folder: Path, shards: Path, port: int, max_syncs: int, **train: Any) -> dict[str, Any]:
+    cfg = RunConfig(
+        federation="t",
+        run_dir=str(folder / "run"),
+        wandb_mode="disabled",
+        site=SiteConfig(num_sites=2),
+        model=MODEL,
+        ps=ps_config(port=port, retry_budget="2s", heartbeat_interval="0.5s"),
+        data=DataConfig(source=str(shards), val_batches=2),
+        train=TrainConfig(batch_size=BATCH, sync_interval="60s", max_local_steps=3, max_syncs=max_syncs, **train),
+    )
+    return to_dict(cfg)
+
+
+def site_metrics(folder: Path) -> list[dict[str, Any]]:
+    path = folder / "run" / "metrics" / "local-0.metrics.jsonl"
+    return read_jsonl(path) if path.exists() else []
+
+
+def test_the_site_trains_through_an_outage_and_pushes_its_work_once(tmp_path: Path, shards: Path) -> None:
+    port = free_port()
+    cfg = ps_run_config(tmp_path, port, aggregation="async")
+    site_dir = tmp_path / "run" / "sites" / "local-0"
+    ps = ParameterServer(cfg)
+    servers = [ps]
+    site = Site(site_cfg(tmp_path, shards, port, max_syncs=4), tmp_path, ps.address)
+    try:
+        wait_for(lambda: any(r.get("sync/index") == 1 for r in site_metrics(tmp_path)), 240, "the first sync")
+        ps.stop()
+        before = ps.logic.version
+        # far longer than the 2 s retry budget: the site trains on, interval after interval
+        wait_for(lambda: sum(e["event"] == "push_deferred" for e in events(site_dir)) >= 3, 240, "3 deferred pushes")
+        loaded = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest()
+        assert loaded is not None
+        tensors, meta, _ = loaded
+        held = meta["pending"]["deferred"]
+        assert meta["version"] == before and not meta["global_model"] and held["intervals"] >= 1
+        assert held["steps"] == meta["pending"]["steps"] >= 3 and held["push_id"]
+        assert {k[5:] for k in tensors if k.startswith("base/")} == {k[6:] for k in tensors if k.startswith("model/")}
+        servers.append(ParameterServer(cfg))  # the same port and state directory: back at version `before`
+        assert servers[-1].logic.version == before
+        assert site.wait(timeout=300) == [0], site.output()
+        with PSClient(ps_config(), servers[-1].address) as client:
+            pushes = {s.site: s.pushes for s in client.status().sites}
+        final = servers[-1].logic.version
+    finally:
+        site.close()
+        for server in servers:
+            server.stop()
+    assert pushes["local-0"] == 4 and final == 4  # every delta applied once, no version skipped or repeated
+    syncs = [r for r in site_metrics(tmp_path) if "train/loss" in r]
+    assert [r["sync/version"] for r in syncs] == [1, 2, 3, 4]
+    deferred = [r for r in syncs if r["sync/deferred_intervals"] > 0]
+    assert len(deferred) == 1 and deferred[0]["sync/version"] == before + 1
+    assert deferred[0]["sync/local_steps"] == 3 * (deferred[0]["sync/deferred_intervals"] + 1)
+    assert deferred[0]["sync/offline_seconds"] > 2.0
+    _, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
+    assert meta["sampler"]["draws"] == sum(r["sync/local_steps"] for r in syncs)  # no step lost or pushed twice
+    names = [e["event"] for e in events(site_dir)]
+    assert "deferred_pushed" in names and names.index("push_deferred") < names.index("deferred_pushed")
+
+
+def test_a_requeue_during_the_outage_keeps_the_deferred_work(tmp_path: Path, shards: Path) -> None:
+    port = free_port()
+    cfg = ps_run_config(tmp_path, port, aggregation="async")
+    site_dir = tmp_path / "run" / "sites" / "local-0"
+    ps = ParameterServer(cfg)
+    servers = [ps]
+    site = Site(site_cfg(tmp_path, shards, port, max_syncs=3), tmp_path, ps.address)
+    try:
+        wait_for(lambda: any(r.get("sync/index") == 1 for r in site_metrics(tmp_path)), 240, "the first sync")
+        ps.stop()
+        before = ps.logic.version
+        wait_for(lambda: sum(e["event"] == "push_deferred" for e in events(site_dir)) >= 2, 240, "2 deferred pushes")
+        site.close()  # SIGKILL while offline: only the checkpoint on disk is left
+        _, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
+        steps_on_disk = meta["pending"]["steps"]
+        servers.append(ParameterServer(cfg))
+        again = Site(site_cfg(tmp_path, shards, port, max_syncs=3), tmp_path, servers[-1].address)
+        try:
+            assert again.wait(timeout=300) == [0], again.output()
+        finally:
+            again.close()
+        final = servers[-1].logic.version
+    finally:
+        site.close()
+        for server in servers:
+            server.stop()
+    syncs = [r for r in site_metrics(tmp_path) if "train/loss" in r]
+    assert [r["sync/version"] for r in syncs] == [1, 2, 3] and final == 3
+    assert syncs[before]["sync/local_steps"] >= steps_on_disk + 1  # the deferred steps went out with the next
+    _, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
+    assert meta["sampler"]["draws"] == sum(r["sync/local_steps"] for r in syncs)
+
+
+def test_sync_now_ends_a_late_sites_interval_so_the_round_closes_early(tmp_path: Path, shards: Path) -> None:
+    """Sync mode, a 10-minute interval and a 10-minute deadline: a fast site pushes at once, the slow (real)
+    site hears "sync now" on its next heartbeat and pushes what it has; the round closes with both."""
+    port = free_port()
+    ps_cfg = ps_config(port=port, aggregation="sync", round_timeout="10m")
+    cfg = RunConfig(ps=ps_cfg, train=TrainConfig(sync_interval="10m"), wandb_mode="disabled")
+    ps = ParameterServer(replace(cfg, codec=CodecConfig(name="int8")))
+    site_dir = tmp_path / "run" / "sites" / "local-0"
+    plain = site_cfg(tmp_path, shards, port, max_syncs=1)
+    plain["train"].update(sync_interval="10m", max_local_steps=0)
+    site = Site(plain, tmp_path, ps.address)
+    try:
+        wait_for(lambda: any(e["event"] == "first_step" for e in events(site_dir)), 240, "the slow site training")
+        with PSClient(ps_config(), ps.address) as fast:
+            fast.connect(timedelta(seconds=10))
+            other = fast.join(m.JoinRequest("fast"))
+            header, payload = fast.pull_model(other.session_id)
+            step = {k: np.full_like(v, 1e-3) for k, v in codec.decode(payload).items()}
+            push = m.PushHeader(other.session_id, header.version, 1, 1, "fp32", 0, b"", "")
+            assert fast.push_delta(push, codec.encode(step, FP32)).accepted  # the round now waits for the slow site
+            new, _ = fast.pull_model(other.session_id, 1, timedelta(seconds=240))
+        assert new.version == 1
+        assert site.wait(timeout=120) == [0], site.output()
+        with PSClient(ps_config(), ps.address) as client:
+            pushes = {s.site: s.pushes for s in client.status().sites}
+    finally:
+        site.close()
+        ps.stop()
+    assert pushes == {"local-0": 1, "fast": 1}
+    told = [e for e in events(site_dir) if e["event"] == "sync_now"]
+    assert len(told) == 1 and told[0]["version"] == 0
+    syncs = [r for r in site_metrics(tmp_path) if "train/loss" in r]
+    assert len(syncs) == 1 and syncs[0]["sync/version"] == 1 and syncs[0]["sync/local_steps"] == told[0]["steps"]
+
+
+def test_a_pull_lost_after_the_push_went_in_trains_on_from_the_local_model(tmp_path: Path, shards: Path) -> None:
+    """Sync mode: the site's push is in and it waits for the round to close; the PS process is SIGKILLed
+    there. The site trains on from its local model (the base for its next delta), and when a `ps up` is
+    back on the same port its next push goes in and the pull after it brings the global model again."""
+    port = free_port()
+    log = tmp_path / "ps.log"
+
+    def ps_up() -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "geofed_hpc.cli", "--quiet", "ps", "up", f"ps.port={port}"]
+        cmd += ["ps.aggregation=sync", "ps.round_timeout=10m", f"ps.state_dir={tmp_path / 'ps'}"]
+        cmd += ["train.sync_interval=60s", "train.max_local_steps=3", "wandb_mode=disabled"]
+        with open(log, "a") as out:
+            return subprocess.Popen(cmd, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
+
+    procs = [ps_up()]
+    site_dir = tmp_path / "run" / "sites" / "local-0"
+    site = None
+    try:
+        with PSClient(ps_config(), f"127.0.0.1:{port}") as waiter:
+            waiter.connect(timedelta(seconds=60))
+            late = waiter.join(m.JoinRequest("late")).session_id  # active, never pushes: the round waits
+            site = Site(site_cfg(tmp_path, shards, port, max_syncs=2), tmp_path, f"127.0.0.1:{port}")
+
+            def pushed() -> bool:
+                return any(s.site == "local-0" and s.pushes == 1 for s in waiter.status().sites)
+
+            wait_for(pushed, 240, "the site's first push")
+            procs[0].kill()  # SIGKILL: the site is waiting for the round, inside its pull
+            procs[0].wait(timeout=30)
+            wait_for(lambda: any(e["event"] == "pull_failed" for e in events(site_dir)), 120, "the lost pull")
+            procs.append(ps_up())
+            waiter.connect(timedelta(seconds=60))
+            waiter.heartbeat(m.HeartbeatRequest(late, leaving=True))  # the round no longer waits for it
+            assert site.wait(timeout=300) == [0], site.output() + log.read_text()
+            sites = {s.site: s for s in waiter.status().sites}
+            version = waiter.status().version
+    finally:
+        if site is not None:
+            site.close()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=60)
+    # the killed PS lost the open round (its snapshot is version 0); the site's next delta makes version 1
+    assert version == 1 and sites["local-0"].pushes == 1
+    syncs = [r for r in site_metrics(tmp_path) if "train/loss" in r]
+    assert [r["sync/version"] for r in syncs] == [0, 1]  # sync 1 ended on the local model, at the version pushed to
+    _, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
+    assert meta["version"] == 1 and meta["global_model"] and meta["base_global"]  # the global model again
+    assert meta["sampler"]["draws"] == sum(r["sync/local_steps"] for r in syncs)
+
+
+def test_a_stop_signal_during_push_retries_saves_the_work_and_leaves(tmp_path: Path, shards: Path) -> None:
+    """A 10-minute retry budget, the PS gone: SIGTERM (Slurm's requeue) ends the retries, the unpushed work is
+    checkpointed with its base, and the requeued job pushes it once the PS is back."""
+    port = free_port()
+    cfg = ps_run_config(tmp_path, port, aggregation="async")
+    site_dir = tmp_path / "run" / "sites" / "local-0"
+    servers = [ParameterServer(cfg)]
+    plain = site_cfg(tmp_path, shards, port, max_syncs=3)
+    plain["ps"]["retry_budget"] = "10m"
+    site = Site(plain, tmp_path, servers[0].address)
+    try:
+        wait_for(lambda: any(r.get("sync/index") == 1 for r in site_metrics(tmp_path)), 240, "the first sync")
+        servers[0].stop()
+        before = servers[0].logic.version
+        wait_for(lambda: "PushDelta to" in site.logs[0].read_text(), 120, "the push retrying")
+        site.signal(signal.SIGTERM)
+        assert site.wait(timeout=60) == [128 + signal.SIGTERM], site.output()
+        _, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
+        assert meta["version"] == before and meta["pending"]["deferred"]["steps"] == meta["pending"]["steps"] == 3
+        servers.append(ParameterServer(cfg))
+        again = Site(plain, tmp_path, servers[-1].address)
+        try:
+            assert again.wait(timeout=300) == [0], again.output()
+        finally:
+            again.close()
+        final = servers[-1].logic.version
+    finally:
+        site.close()
+        for server in servers:
+            server.stop()
+    syncs = [r for r in site_metrics(tmp_path) if "train/loss" in r]
+    assert [r["sync/version"] for r in syncs] == [1, 2, 3] and final == 3
+    assert syncs[before]["sync/local_steps"] == 6  # the 3 checkpointed steps went out with the next 3
+    _, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
+    assert meta["sampler"]["draws"] == sum(r["sync/local_steps"] for r in syncs)
+
+
+def test_a_site_restarted_while_the_ps_is_down_trains_from_its_checkpoint(tmp_path: Path, shards: Path) -> None:
+    """The job starts (a requeue, say) while the PS is down: it trains on from its checkpoint instead of failing
+    after ps.connect_timeout, and pushes that work once `ps up` is back on the same port."""
+    port = free_port()
+    cfg = ps_run_config(tmp_path, port, aggregation="async")
+    site_dir = tmp_path / "run" / "sites" / "local-0"
+    servers = [ParameterServer(cfg)]
+    plain = site_cfg(tmp_path, shards, port, max_syncs=1)
+    plain["ps"]["connect_timeout"] = "2s"
+    first = Site(plain, tmp_path, servers[0].address)
+    try:
+        assert first.wait(timeout=300) == [0], first.output()
+    finally:
+        first.close()
+    servers[0].stop()
+    plain["train"]["max_syncs"] = 2
+    again = Site(plain, tmp_path, f"127.0.0.1:{port}", index=0)
+    try:
+        wait_for(lambda: any(e["event"] == "push_deferred" for e in events(site_dir)), 240, "a deferred push")
+        servers.append(ParameterServer(cfg))
+        assert again.wait(timeout=300) == [0], again.output()
+        with PSClient(ps_config(), servers[-1].address) as client:
+            pushes = {s.site: s.pushes for s in client.status().sites}
+        final = servers[-1].logic.version
+    finally:
+        again.close()
+        for server in servers:
+            server.stop()
+    names = [e["event"] for e in events(site_dir)]
+    assert "offline_start" in names and names.index("offline_start") < names.index("deferred_pushed")
+    syncs = [r for r in site_metrics(tmp_path) if "train/loss" in r]
+    assert [r["sync/version"] for r in syncs] == [1, 2] and final == 2 and pushes["local-0"] == 2
+    _, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
+    assert meta["sampler"]["draws"] == sum(r["sync/local_steps"] for r in syncs)
