@@ -22,6 +22,7 @@ from geofed_hpc.ps.persist import PSState, Snapshots, load_init
 from geofed_hpc.ps.rounds import Rounds
 from geofed_hpc.ps.sessions import SessionTable
 from geofed_hpc.ps.staging import Staging
+from geofed_hpc.ps.tokens import TokenVerifier, tokens_path
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import digest
 
@@ -49,7 +50,9 @@ class GlobalState:
         self.params: Params | None = None
         self._spec: dict[str, tuple[tuple[int, ...], str]] = {}
         self.version = 0
-        self.sessions = SessionTable(cfg.enroll_token, clock, idle_after=3 * cfg.round_timeout.total_seconds())
+        tokens = TokenVerifier(tokens_path(cfg.state_dir) if cfg.state_dir else None, cfg.enroll_token)
+        idle_after = 3 * cfg.round_timeout.total_seconds()
+        self.sessions = SessionTable(tokens, clock, idle_after, cfg.max_sessions, cfg.max_sessions_per_site)
         self._push_ids: OrderedDict[str, m.PushReply] = OrderedDict()
         self._inflight: set[str] = set()
         self._closing = False
