@@ -89,7 +89,8 @@ class ParameterServerLogic(GlobalState):
         )
 
     def stream_model(self, request: m.ModelRequest) -> Iterator[m.Chunk]:
-        deadline = time.monotonic() + max(0.0, request.wait_s)
+        wait = request.wait_s if math.isfinite(request.wait_s) else 0.0  # a long-poll never outlives rpc_timeout
+        deadline = time.monotonic() + min(max(0.0, wait), self.cfg.rpc_timeout.total_seconds())
         with self._cond:
             session = self.sessions.get(request.session_id)
             while not self._closing and not (self.initialized and self.version >= request.min_version):
