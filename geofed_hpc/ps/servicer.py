@@ -247,6 +247,9 @@ class ParameterServerLogic(GlobalState):
                     "site/contribution_total": session.tokens,
                 },
             )
+            # Remembered before the round may close: a snapshot written then must know this push was applied,
+            # or its retransmission after a restart from that snapshot would be applied a second time.
+            self._remember(header.push_id, m.PushReply(True, self.version, "", staleness))
             self._maybe_close()
             logger.info(
                 "push from %s (base %d, staleness %d, norm %.3g, %d bytes) accepted; version %d",

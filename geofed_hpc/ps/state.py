@@ -25,6 +25,7 @@ from geofed_hpc.ps.staging import Staging
 from geofed_hpc.ps.tokens import TokenVerifier, tokens_path
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import digest
+from geofed_hpc.testing.faults import fault
 
 PERSISTED_PUSH_IDS = 2_000
 CHAIN_CACHE = 4  # update chains kept ready per version (sites at different versions ask for different ones)
@@ -159,6 +160,7 @@ class GlobalState:
             return
         self.snapshot_version = self.version
         logger.debug("snapshot of version %d written to %s", self.version, path)
+        fault("ps.snapshot", str(self.version))
 
     def _new_version_caches(self) -> None:
         self._model_cache = None
@@ -179,6 +181,7 @@ class GlobalState:
         except (GeofedError, ValueError) as exc:
             logger.error("round at version %d discarded: %s", self.version, exc)
             return
+        fault("ps.aggregate", str(self.version))
         add_update(self.params, applied)
         self.version += 1
         self._new_version_caches()
