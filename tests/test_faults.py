@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,13 +20,18 @@ from geofed_hpc.ckpt import CheckpointStore
 from geofed_hpc.ckpt.atomic import TEMP_MARKER
 from geofed_hpc.config import CodecConfig
 from geofed_hpc.errors import UnavailableError
+from geofed_hpc.ps.app import ParameterServer
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 from geofed_hpc.testing import faults
+from geofed_hpc.testing.partition import Partition
 from tests.conftest import ps_config, small_params
 from tests.dist_util import free_port
+from tests.site_procs import Site, events, wait_for
 from tests.test_ps_logic import init, joined, make, push
+from tests.test_site_client import latest, make_ps, metrics, run_site, shards, site_cfg
 
+__all__ = ["shards"]  # the module-scoped token shards fixture, shared with test_site_client
 FP32 = CodecConfig(name="fp32")
 REPO = Path(__file__).resolve().parents[1]
 
@@ -167,3 +173,89 @@ def test_full_disk_during_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_p
     loaded = store.load_latest()
     assert loaded is not None and loaded[1]["syncs"] == 1
     assert not any(TEMP_MARKER in p.name for p in tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------- site processes (slow: real FSDP2 training)
+def site_pushes(ps: ParameterServer, site: str = "local-0") -> int:
+    return sum(s.pushes for s in ps.logic.status(m.StatusRequest()).sites if s.site == site)
+
+
+def synced(folder: Path) -> list[tuple[int, int]]:
+    """(sync index, global version after it) of every sync the site recorded."""
+    return [(int(r["sync/index"]), int(r["sync/version"])) for r in metrics(folder) if "train/loss" in r]
+
+
+@pytest.mark.slow
+def test_site_killed_mid_push_resumes_and_no_delta_is_lost_or_applied_twice(
+    tmp_path: Path, shards: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ps = make_ps(tmp_path, aggregation="async")
+    try:
+        monkeypatch.setenv(faults.ENV, "rpc.push@3=kill")  # push 1 uploads the model, 2 is sync 1, 3 is cut
+        site = Site(site_cfg(tmp_path, shards, max_syncs=3), tmp_path, ps.address)
+        try:
+            assert site.wait(timeout=600) == [-9], site.output()
+        finally:
+            site.close()
+        assert "fault injected: kill at rpc.push" in site.output()
+        assert ps.logic.version == 1 and site_pushes(ps) == 1  # the cut push was never applied
+        monkeypatch.delenv(faults.ENV)
+        run_site(tmp_path, shards, ps, max_syncs=3)
+        assert ps.logic.version == 3 and site_pushes(ps) == 3  # each sync's delta exactly once
+    finally:
+        ps.stop()
+    assert synced(tmp_path) == [(1, 1), (2, 2), (3, 3)]
+    ready = [e["source"] for e in events(tmp_path / "run" / "sites" / "local-0") if e["event"] == "ready"]
+    assert ready == ["fresh", "local"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_corrupt_or_truncated_site_checkpoint_falls_back_and_the_federation_continues(
+    tmp_path: Path, shards: Path, damage: str
+) -> None:
+    ps = make_ps(tmp_path, aggregation="async")
+    try:
+        run_site(tmp_path, shards, ps, max_syncs=2)
+        _, _, path = latest(tmp_path)
+        data = bytearray(path.read_bytes())
+        if damage == "truncate":
+            path.write_bytes(bytes(data[: len(data) // 2]))
+        else:
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+        run_site(tmp_path, shards, ps, max_syncs=3)
+        # The damaged file is skipped: the site resumes from sync 1's checkpoint and the fresher global model,
+        # and trains syncs 2 and 3 again as new work (the first sync 2 stays applied once at the PS).
+        assert ps.logic.version == 4 and site_pushes(ps) == 4
+    finally:
+        ps.stop()
+    assert synced(tmp_path) == [(1, 1), (2, 2), (2, 3), (3, 4)]  # versions continuous, each delta once
+    ready = [e["source"] for e in events(tmp_path / "run" / "sites" / "local-0") if e["event"] == "ready"]
+    assert ready == ["fresh", "global"]
+    _, meta, _ = latest(tmp_path)
+    assert meta["version"] == 4 and meta["syncs"] == 3
+
+
+@pytest.mark.slow
+def test_partition_between_a_site_and_the_ps_heals_and_every_delta_lands_once(tmp_path: Path, shards: Path) -> None:
+    ps = make_ps(tmp_path, aggregation="async")
+    host, port = ps.address.rsplit(":", 1)
+    link = Partition((host, int(port)))
+    try:
+        site = Site(site_cfg(tmp_path, shards, max_syncs=4), tmp_path, link.address)
+        try:
+            wait_for(lambda: ps.logic.version >= 2, 300, "the first sync")
+            link.cut()
+            cut_at = ps.logic.version
+            time.sleep(15)  # the outage: well inside the client's retry budget
+            assert ps.logic.version == cut_at  # nothing got through
+            link.heal()
+            assert site.wait(timeout=600) == [0], site.output()
+        finally:
+            site.close()
+        assert ps.logic.version == 4 and site_pushes(ps) == 4
+    finally:
+        link.close()
+        ps.stop()
+    assert synced(tmp_path) == [(i, i) for i in (1, 2, 3, 4)]
