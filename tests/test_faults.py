@@ -259,3 +259,30 @@ def test_partition_between_a_site_and_the_ps_heals_and_every_delta_lands_once(tm
         link.close()
         ps.stop()
     assert synced(tmp_path) == [(i, i) for i in (1, 2, 3, 4)]
+
+
+@pytest.mark.slow
+def test_full_disk_during_a_site_checkpoint_then_a_restart_continues_the_federation(
+    tmp_path: Path, shards: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ps = make_ps(tmp_path, aggregation="async")
+    try:
+        monkeypatch.setenv(faults.ENV, "atomic.write[site-]@2=enospc")  # the checkpoint after sync 2
+        site = Site(site_cfg(tmp_path, shards, max_syncs=3), tmp_path, ps.address)
+        try:
+            codes = site.wait(timeout=600)
+        finally:
+            site.close()
+        # The job fails (Slurm requeues it); sync 2's delta is already applied, once.
+        assert codes == [1] and "No space left on device" in site.output()
+        assert ps.logic.version == 2 and site_pushes(ps) == 2
+        ckpt = tmp_path / "run" / "sites" / "local-0" / "ckpt"
+        assert not [p for p in ckpt.iterdir() if TEMP_MARKER in p.name]  # no torn file left behind
+        monkeypatch.delenv(faults.ENV)
+        run_site(tmp_path, shards, ps, max_syncs=3)  # resumes from sync 1's checkpoint and the global model
+        assert ps.logic.version == 4 and site_pushes(ps) == 4
+    finally:
+        ps.stop()
+    assert synced(tmp_path) == [(1, 1), (2, 2), (2, 3), (3, 4)]
+    ready = [e["source"] for e in events(tmp_path / "run" / "sites" / "local-0") if e["event"] == "ready"]
+    assert ready == ["fresh", "global"]
