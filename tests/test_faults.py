@@ -1,5 +1,4 @@
-"""Injected faults (geofed_hpc/testing/faults.py): a PS SIGKILLed mid-aggregation or mid-snapshot, full disks,
-sites killed mid-push, torn checkpoints; afterwards versions are continuous and every delta lands exactly once."""
+"""Injected faults (killed PS and sites, full disks, torn checkpoints, partitions): every delta lands exactly once."""
 
 from __future__ import annotations
 
