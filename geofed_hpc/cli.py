@@ -36,12 +36,18 @@ COMMANDS = {
     "logs": "print the end of this site's job logs (--follow: keep printing until the jobs end)",
     "report": "write RUN_DIR/report.png (loss curves) and print a summary: report RUN_DIR",
     "wandb sync": "upload a run directory's offline W&B runs (from a login node): wandb sync RUN_DIR",
+    "token issue": "print a new enrollment token for site=NAME, once (the PS keeps its hash in ps.state_dir; "
+    "--ttl 7d, default ps.token_ttl; a running PS sees it at once)",
+    "token revoke": "revoke a token: token revoke ID, or every token of site=NAME (their sessions end)",
+    "token list": "list the issued tokens: ids, sites, created, expires, revoked (never a secret)",
     "data prepare": "tokenize data.source into site.num_sites token shards + a validation shard under RUN_DIR/data",
 }
 # Switches of this invocation that only some commands read (main sets them).
-OPTIONS = argparse.Namespace(dry_run=False, follow=False, init_from="")
+OPTIONS = argparse.Namespace(dry_run=False, follow=False, init_from="", ttl="", token_id="", site_given=False)
 # Commands whose first plain word (no '=') is the run directory.
 RUN_DIR_ARG = ("report", "wandb sync")
+# Commands whose first plain word is a token id.
+TOKEN_ID_ARG = ("token revoke",)
 PS_PROBE_TIMEOUT = timedelta(seconds=5)
 EXAMPLES = """examples:
   geofed-hpc launch site=local model=tiny             # local federation: PS + 2 sites on this machine
@@ -53,6 +59,8 @@ EXAMPLES = """examples:
   geofed-hpc status site=osc                          # the jobs as Slurm sees them, then the PS's view
   geofed-hpc logs site=osc --follow
   geofed-hpc cancel site=osc
+  geofed-hpc token issue site=osc ps=cloud --ttl 14d  # on the VM: prints osc's enrollment token once
+  geofed-hpc token revoke site=osc ps=cloud           # every token of osc (or: token revoke <id>)
   geofed-hpc launch --cfg                             # print the composed config and exit
 """
 
@@ -137,6 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="launch: print the sbatch files, submit nothing")
     p.add_argument("--follow", action="store_true", help="logs: keep printing until the jobs end")
     p.add_argument("--init-from", metavar="CKPT", default="", help="ps up: seed the global model from CKPT")
+    p.add_argument("--ttl", metavar="DURATION", default="", help="token issue: lifetime (30s, 5m, 2h, 7d; 0: forever)")
     p.add_argument("-h", "--help", action="store_true")
     p.add_argument("-q", "--quiet", action="store_true")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -153,6 +162,8 @@ def _split(words: list[str]) -> tuple[str, list[str]]:
     if command:
         if command in RUN_DIR_ARG and rest and "=" not in rest[0] and not rest[0].startswith("~"):
             rest = [f"run_dir={rest[0]}", *rest[1:]]
+        if command in TOKEN_ID_ARG and rest and "=" not in rest[0] and not rest[0].startswith("~"):
+            OPTIONS.token_id, rest = rest[0], rest[1:]
         return command, rest
     raise ConfigError(f"unknown command {' '.join(words[:2])!r}; commands: {', '.join(COMMANDS)} (see --help)")
 
@@ -399,6 +410,45 @@ def cmd_ps_init(cfg: RunConfig) -> int:
     return 0
 
 
+def _token_file(cfg: RunConfig) -> Any:
+    from geofed_hpc.ps.tokens import TokenFile, tokens_path
+
+    return TokenFile(tokens_path(cfg.ps.state_dir))
+
+
+def cmd_token_issue(cfg: RunConfig) -> int:
+    from geofed_hpc.config import parse_duration
+
+    if not OPTIONS.site_given:
+        raise ConfigError("site: say which site the token admits, e.g. `geofed-hpc token issue site=osc`")
+    ttl = parse_duration(OPTIONS.ttl, "--ttl") if OPTIONS.ttl else cfg.ps.token_ttl
+    tokens = _token_file(cfg)
+    token, record = tokens.issue(cfg.site.name, ttl)
+    expires = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(record.expires)) if record.expires else "never"
+    print(f"token {record.id} for site {record.site} (expires {expires}); stored as a hash in {tokens.path}")
+    print("shown once; pass it to the site as site.token=... (keep it secret):")
+    print(token)
+    return 0
+
+
+def cmd_token_revoke(cfg: RunConfig) -> int:
+    if not OPTIONS.token_id and not OPTIONS.site_given:
+        raise ConfigError("token revoke: name a token id (`token revoke ID`) or a site (`token revoke site=osc`)")
+    site = "" if OPTIONS.token_id else cfg.site.name
+    for r in _token_file(cfg).revoke(site=site, token_id=OPTIONS.token_id):
+        print(f"revoked token {r.id} of site {r.site}; its sessions end at their next call")
+    return 0
+
+
+def cmd_token_list(cfg: RunConfig) -> int:
+    from geofed_hpc.ps.tokens import token_table
+
+    tokens = _token_file(cfg)
+    records = tokens.read()
+    print(token_table(records) if records else f"no tokens issued in {tokens.path}")
+    return 0
+
+
 def cmd_data_prepare(cfg: RunConfig) -> int:
     from geofed_hpc.data.shards import prepare_shards
 
@@ -419,6 +469,9 @@ HANDLERS = {
     "logs": cmd_logs,
     "report": cmd_report,
     "wandb sync": cmd_wandb_sync,
+    "token issue": cmd_token_issue,
+    "token revoke": cmd_token_revoke,
+    "token list": cmd_token_list,
     "data prepare": cmd_data_prepare,
 }
 
@@ -432,9 +485,11 @@ def main(argv: list[str] | None = None) -> int:
         print(_help_text())
         return 0
     try:
+        OPTIONS.token_id = ""
         command, overrides = _split(args.words)
         OPTIONS.dry_run, OPTIONS.follow = args.dry_run, args.follow
-        OPTIONS.init_from = args.init_from
+        OPTIONS.init_from, OPTIONS.ttl = args.init_from, args.ttl
+        OPTIONS.site_given = any(o.startswith(("site=", "site.name=")) for o in overrides)
         if command == "launch" and len(_site_list(overrides)) > 1:
             return _launch_each(_site_list(overrides), overrides, args)
         cfg, yaml_text = compose_config(overrides)

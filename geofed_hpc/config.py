@@ -227,6 +227,9 @@ class PSConfig:
     tls_sites: list[str] = field(default_factory=list)
     tls_overwrite: bool = False
     enroll_token: str = ""
+    token_ttl: timedelta = timedelta(days=30)
+    max_sessions_per_site: int = 8
+    max_sessions: int = 4096
     aggregation: str = "sync"
     outer_optimizer: str = "plain"
     global_lr: float = 1.0
@@ -272,6 +275,7 @@ class PSConfig:
             "ps.heartbeat_interval",
             f"must be at least 100ms (a site heartbeats this often while it trains), got {self.heartbeat_interval}",
         )
+        self.token_ttl = parse_duration(self.token_ttl, "ps.token_ttl")
         _check(0 <= self.port <= 65535, "ps.port", f"must be in 0..65535, got {self.port}")
         _check(
             0 <= self.metrics_port <= 65535,
@@ -288,10 +292,15 @@ class PSConfig:
         _check(0.0 <= self.trim_fraction < 0.5, "ps.trim_fraction", f"must be in [0, 0.5), got {self.trim_fraction}")
         _check(self.clip_norm >= 0, "ps.clip_norm", f"must be 0 (off) or positive, got {self.clip_norm}")
         _check(self.max_staleness >= 0, "ps.max_staleness", "must be 0 or more")
-        limits = ("max_concurrent_pushes", "max_concurrent_downloads", "decode_threads")
+        limits = ("max_concurrent_pushes", "max_concurrent_downloads", "decode_threads", "max_sessions_per_site")
         for key in ("buffer_size", "snapshot_every", *limits):
             _check(getattr(self, key) >= 1, f"ps.{key}", f"must be at least 1, got {getattr(self, key)}")
         _check(self.downlink_history >= 0, "ps.downlink_history", "must be 0 (always full models) or more")
+        _check(
+            self.max_sessions >= self.max_sessions_per_site,
+            "ps.max_sessions",
+            f"must be at least ps.max_sessions_per_site ({self.max_sessions_per_site}), got {self.max_sessions}",
+        )
         _check(self.max_workers >= 4, "ps.max_workers", f"must be at least 4, got {self.max_workers}")
         _check(
             self.stream_window_bytes == 0 or self.stream_window_bytes >= 1 << 16,
@@ -516,7 +525,7 @@ def to_dict(obj: Any) -> dict[str, Any]:
         if dataclasses.is_dataclass(value):
             out[f.name] = to_dict(value)
         elif isinstance(value, timedelta):
-            out[f.name] = f"{value.total_seconds():g}s"
+            out[f.name] = f"{value.total_seconds():f}".rstrip("0").rstrip(".") + "s"  # never 2.592e+06s
         else:
             out[f.name] = value
     return out

@@ -49,6 +49,12 @@ class UnavailableError(GeofedError):
     grpc_code = "UNAVAILABLE"
 
 
+class LimitError(GeofedError):
+    """A limit of the parameter server is reached (sessions per site, sessions in all); retry later."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
 class LaunchError(GeofedError):
     """Submitting or supervising a site job failed."""
 
@@ -59,6 +65,7 @@ _BY_CODE: dict[str, type[GeofedError]] = {
     "UNAUTHENTICATED": AuthError,
     "FAILED_PRECONDITION": StaleError,
     "UNAVAILABLE": UnavailableError,
+    "RESOURCE_EXHAUSTED": LimitError,
 }
 
 

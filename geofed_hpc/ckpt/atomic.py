@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from geofed_hpc.log import logger
+from geofed_hpc.testing.faults import fault
 
 TEMP_MARKER = ".tmp-"
 Chunk = bytes | bytearray | memoryview
@@ -81,6 +82,7 @@ def atomic_write_bytes(path: Path, data: Chunk | Iterable[Chunk]) -> None:
             chunks: Iterable[Chunk] = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
             for chunk in chunks:
                 f.write(chunk)
+            fault("atomic.write", path.name)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

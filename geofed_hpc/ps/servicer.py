@@ -89,7 +89,8 @@ class ParameterServerLogic(GlobalState):
         )
 
     def stream_model(self, request: m.ModelRequest) -> Iterator[m.Chunk]:
-        deadline = time.monotonic() + max(0.0, request.wait_s)
+        wait = request.wait_s if math.isfinite(request.wait_s) else 0.0  # a long-poll never outlives rpc_timeout
+        deadline = time.monotonic() + min(max(0.0, wait), self.cfg.rpc_timeout.total_seconds())
         with self._cond:
             session = self.sessions.get(request.session_id)
             while not self._closing and not (self.initialized and self.version >= request.min_version):
@@ -247,6 +248,9 @@ class ParameterServerLogic(GlobalState):
                     "site/contribution_total": session.tokens,
                 },
             )
+            # Remembered before the round may close: a snapshot written then must know this push was applied,
+            # or its retransmission after a restart from that snapshot would be applied a second time.
+            self._remember(header.push_id, m.PushReply(True, self.version, "", staleness))
             self._maybe_close()
             logger.info(
                 "push from %s (base %d, staleness %d, norm %.3g, %d bytes) accepted; version %d",

@@ -23,8 +23,10 @@ from geofed_hpc.ps.persist import PSState, Snapshots, load_init
 from geofed_hpc.ps.rounds import Rounds
 from geofed_hpc.ps.sessions import SessionTable
 from geofed_hpc.ps.staging import Staging
+from geofed_hpc.ps.tokens import TokenVerifier, tokens_path
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import digest
+from geofed_hpc.testing.faults import fault
 
 PERSISTED_PUSH_IDS = 2_000
 CHAIN_CACHE = 4  # update chains kept ready per version (sites at different versions ask for different ones)
@@ -75,7 +77,9 @@ class GlobalState:
         self.params: Params | None = None
         self._spec: dict[str, tuple[tuple[int, ...], str]] = {}
         self.version = 0
-        self.sessions = SessionTable(cfg.enroll_token, clock, idle_after=3 * cfg.round_timeout.total_seconds())
+        tokens = TokenVerifier(tokens_path(cfg.state_dir) if cfg.state_dir else None, cfg.enroll_token)
+        idle_after = 3 * cfg.round_timeout.total_seconds()
+        self.sessions = SessionTable(tokens, clock, idle_after, cfg.max_sessions, cfg.max_sessions_per_site)
         self._push_ids: OrderedDict[str, m.PushReply] = OrderedDict()
         self._inflight: set[str] = set()
         self._closing = False
@@ -185,6 +189,7 @@ class GlobalState:
             return
         self.snapshot_version = self.version
         logger.debug("snapshot of version %d written to %s", self.version, path)
+        fault("ps.snapshot", str(self.version))
 
     def _new_version_caches(self) -> None:
         self._model_cache = None
@@ -206,6 +211,7 @@ class GlobalState:
         except (GeofedError, ValueError) as exc:
             logger.error("round at version %d discarded: %s", self.version, exc)
             return
+        fault("ps.aggregate", str(self.version))
         add_update(self.params, applied)
         self.version += 1
         self._new_version_caches()

@@ -18,6 +18,7 @@ from geofed_hpc.rpc import serde
 from geofed_hpc.rpc.channel import channel_credentials, client_options
 from geofed_hpc.rpc.retry import Backoff
 from geofed_hpc.rpc.stream import collect, digest, to_chunks
+from geofed_hpc.testing.faults import fault
 
 T = TypeVar("T")
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -187,7 +188,14 @@ class PSClient:
         header.push_id = header.push_id or uuid.uuid4().hex
 
         def push() -> m.PushReply:
-            chunks: Iterator[m.Chunk] = to_chunks(header, payload, self.cfg.chunk_bytes)
-            return self._calls["PushDelta"](chunks, timeout=self._timeout())
+            return self._calls["PushDelta"](
+                sent(to_chunks(header, payload, self.cfg.chunk_bytes)), timeout=self._timeout()
+            )
+
+        def sent(chunks: Iterator[m.Chunk]) -> Iterator[m.Chunk]:
+            for i, chunk in enumerate(chunks):
+                if i == 1:
+                    fault("rpc.push", header.push_id)  # the header chunk is on its way, the rest is not
+                yield chunk
 
         return self._call("PushDelta", push, budget)

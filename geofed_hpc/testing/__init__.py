@@ -1,1 +1,1 @@
-"""Test harnesses that ship with the package: the emulated WAN (root only)."""
+"""Test harnesses that ship with the package: the emulated WAN (root only) and scripted fault injection."""

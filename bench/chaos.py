@@ -1,0 +1,169 @@
+"""Chaos run: a local federation of 3 sites in which random sites are SIGKILLed and restarted; no delta lost or doubled.
+
+    python bench/chaos.py --json bench/results/chaos.json --minutes 3      # mean 20 s between kills
+
+A PS (async, snapshots on) runs in this process; each site runs as its own process (tests/site_worker.py, as a
+Slurm task runs ClientJob). At exponentially distributed intervals (mean --interval) a random site is SIGKILLed
+and started again after --restart-delay; it resumes from its checkpoint and the live model.
+
+The PS records every delta it applies (site, push id, the version it made). Output:
+  kills, syncs            SIGKILLs sent; deltas applied by the PS
+  versions_continuous     the applied deltas made versions 1..V, each exactly once
+  lost_deltas             pushes a site logged as sent and accepted that the PS never applied
+  double_applied          applications of a push id beyond its first
+  loss_first, loss_last   mean validation loss (global model, as sites evaluated it) of the first/last 3 syncs
+Baseline in the same run: the loss of the federation's first syncs, against which the last ones must fall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from geofed_hpc.config import (  # noqa: E402
+    CodecConfig,
+    DataConfig,
+    ModelConfig,
+    RunConfig,
+    SiteConfig,
+    TrainConfig,
+    to_dict,
+)
+from geofed_hpc.data.shards import prepare_shards  # noqa: E402
+from geofed_hpc.metrics import read_jsonl  # noqa: E402
+from geofed_hpc.ps.app import ParameterServer  # noqa: E402
+from tests.conftest import ps_config  # noqa: E402
+from tests.site_procs import Site  # noqa: E402
+
+SITES = 3
+MODEL = ModelConfig(name="t", vocab_size=50257, context=32, d_model=32, n_layers=2, n_heads=2, d_ff=64)
+
+
+def site_cfg(work: Path, shards: Path) -> dict[str, Any]:
+    cfg = RunConfig(
+        federation="chaos",
+        run_dir=str(work / "run"),
+        wandb_mode="disabled",
+        site=SiteConfig(num_sites=SITES),
+        model=MODEL,
+        ps=ps_config(connect_timeout="60s"),
+        data=DataConfig(source=str(shards), val_batches=2),
+        train=TrainConfig(batch_size=4, lr=3e-3, sync_interval="60s", max_local_steps=3, max_syncs=1_000_000),
+    )
+    return to_dict(cfg)
+
+
+class AppliedLog:
+    """Wrap the PS's delta application to record (site, push id, version) of every delta it applies."""
+
+    def __init__(self, ps: ParameterServer) -> None:
+        self.rows: list[tuple[str, str, int]] = []
+        logic = ps.logic
+        original = logic._apply_delta
+
+        def recorded(session: Any, header: Any, payload: bytes) -> Any:
+            reply = original(session, header, payload)
+            if reply.accepted and not reply.duplicate:
+                self.rows.append((session.site, header.push_id, reply.version))
+            return reply
+
+        logic._apply_delta = recorded  # type: ignore[method-assign]
+
+
+def site_rows(work: Path, index: int) -> list[dict[str, Any]]:
+    path = work / "run" / "metrics" / f"local-{index}.metrics.jsonl"
+    return [r for r in read_jsonl(path) if "train/loss" in r] if path.exists() else []
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", type=Path, default=Path("chaos.json"))
+    p.add_argument("--minutes", type=float, default=3.0)
+    p.add_argument("--interval", type=float, default=20.0, help="mean seconds between kills")
+    p.add_argument("--restart-delay", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    args = p.parse_args()
+    rng = random.Random(args.seed)
+    work = args.work or Path(tempfile.mkdtemp(prefix="geofed-chaos-"))
+    shards = work / "shards"
+    prepare_shards(DataConfig(source="bible", max_tokens=200_000, val_fraction=0.05), shards, SITES)
+    train = TrainConfig(sync_interval="60s", max_local_steps=3)
+    ps_cfg = ps_config(aggregation="async", state_dir=str(work / "ps"), max_staleness=16)
+    ps = ParameterServer(replace(RunConfig(), ps=ps_cfg, train=train, codec=CodecConfig(name="int8")))
+    applied = AppliedLog(ps)
+    cfg = site_cfg(work, shards)
+    sites = {i: Site(cfg, work / "logs", ps.address, index=i) for i in range(SITES)}
+    kills = 0
+    end = time.monotonic() + args.minutes * 60
+    print(f"chaos: {SITES} sites, {args.minutes:g} min, a kill every ~{args.interval:g}s; work in {work}", flush=True)
+    try:
+        while True:
+            wait = rng.expovariate(1.0 / args.interval)
+            if time.monotonic() + wait >= end:
+                time.sleep(max(0.0, end - time.monotonic()))
+                break
+            time.sleep(wait)
+            victim = rng.randrange(SITES)
+            sites[victim].signal(signal.SIGKILL)
+            sites[victim].wait(timeout=60)
+            kills += 1
+            print(f"  t={args.minutes * 60 - (end - time.monotonic()):6.1f}s kill local-{victim} "
+                  f"(PS version {ps.logic.version})", flush=True)  # fmt: skip
+            time.sleep(args.restart_delay)
+            sites[victim] = Site(cfg, work / "logs", ps.address, index=victim)
+    finally:
+        for s in sites.values():
+            s.close()
+        ps.stop()
+
+    versions = sorted(v for _, _, v in applied.rows)
+    continuous = versions == list(range(1, len(versions) + 1)) and ps.logic.version == len(versions)
+    doubled = sum(n - 1 for n in Counter(pid for _, pid, _ in applied.rows).values() if n > 1)
+    per_site = Counter(site for site, _, _ in applied.rows)
+    rows = {i: site_rows(work, i) for i in range(SITES)}
+    # A row with bytes sent is a push the site saw accepted; the PS must hold at least that many from it.
+    claimed = {f"local-{i}": sum(1 for r in rs if r.get("sync/bytes_sent", 0) > 0) for i, rs in rows.items()}
+    lost = sum(max(0, n - per_site.get(site, 0)) for site, n in claimed.items())
+    ordered = sorted((r for rs in rows.values() for r in rs), key=lambda r: r["time"])
+    vals = [float(r["val/loss"]) for r in ordered if r.get("val/loss", 0) > 0]
+    result = {
+        "kills": kills,
+        "syncs": len(applied.rows),
+        "versions_continuous": continuous,
+        "lost_deltas": lost,
+        "double_applied": doubled,
+        "loss_first": sum(vals[:3]) / max(1, len(vals[:3])),
+        "loss_last": sum(vals[-3:]) / max(1, len(vals[-3:])),
+        "final_version": ps.logic.version,
+        "applied_per_site": dict(per_site),
+        "claimed_per_site": claimed,
+        "minutes": args.minutes,
+        "mean_kill_interval_s": args.interval,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1))
+    print(f"{'site':<10}{'applied':>9}{'logged':>9}")
+    for site in sorted(claimed):
+        print(f"{site:<10}{per_site.get(site, 0):>9}{claimed[site]:>9}")
+    print(f"kills {kills}  syncs {result['syncs']}  versions continuous {continuous}  lost {lost}  "
+          f"double-applied {doubled}  (target: 0 and 0)")  # fmt: skip
+    print(f"validation loss {result['loss_first']:.4f} (first 3 syncs) -> {result['loss_last']:.4f} (last 3)  "
+          f"(target: falling); wrote {args.json}")  # fmt: skip
+    return 0 if continuous and not lost and not doubled else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

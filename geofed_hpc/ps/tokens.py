@@ -1,0 +1,225 @@
+"""Per-site enrollment tokens: issue, revoke, list and check; only their hashes are kept, in state_dir/tokens.json."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from geofed_hpc.ckpt.secret import write_secret
+from geofed_hpc.errors import AuthError, CheckpointError, ConfigError
+from geofed_hpc.log import logger
+
+TOKENS_FILE = "tokens.json"
+FORMAT = 1
+PREFIX = "gft"
+_SITE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def tokens_path(state_dir: str) -> Path:
+    """Where the PS with this state directory keeps its tokens; ConfigError without one."""
+    if not state_dir:
+        raise ConfigError(
+            "ps.state_dir: enrollment tokens live in the parameter server's state directory; set ps.state_dir "
+            "(ps=cloud uses ~/.geofed/ps/state) to the same value as `geofed-hpc ps up`"
+        )
+    return Path(state_dir).expanduser() / TOKENS_FILE
+
+
+def check_site_name(site: str, field: str = "site") -> str:
+    if not _SITE.fullmatch(site):
+        raise ConfigError(f"{field}: {site!r} is not a site name (1-64 letters, digits, '.', '_', '-')")
+    return site
+
+
+@dataclass
+class TokenRecord:
+    """One issued token as the PS keeps it: never the secret, only its SHA-256. Times are Unix seconds; 0 is never."""
+
+    id: str
+    site: str
+    hash: str
+    created: float
+    expires: float = 0.0
+    revoked: float = 0.0
+
+    def state(self, now: float) -> str:
+        if self.revoked:
+            return "revoked"
+        return "expired" if self.expires and now >= self.expires else "valid"
+
+    def admits(self, site: str) -> bool:
+        """A token for `osc` admits the site `osc` and its numbered jobs `osc-0`, `osc-1`, ..."""
+        return site == self.site or bool(re.fullmatch(re.escape(self.site) + r"-\d+", site))
+
+
+def _records(path: Path) -> list[TokenRecord]:
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{path}: unreadable token file ({exc}); restore it or remove it and issue again"
+        ) from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT or not isinstance(raw.get("tokens"), list):
+        raise CheckpointError(f"{path}: not a geofed token file (format {FORMAT} expected)")
+    try:
+        return [TokenRecord(**row) for row in raw["tokens"]]
+    except TypeError as exc:
+        raise CheckpointError(f"{path}: malformed token record ({exc})") from None
+
+
+class TokenFile:
+    """The token records of one PS; each change is a locked read-modify-write, replaced atomically, mode 0600."""
+
+    def __init__(self, path: Path, clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path)
+        self._clock = clock
+
+    def read(self) -> list[TokenRecord]:
+        return _records(self.path)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[list[TokenRecord]]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path.with_name(f".{self.path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            records = _records(self.path)
+            yield records
+            write_secret(self.path, {"format": FORMAT, "tokens": [asdict(r) for r in records]})
+        finally:
+            os.close(fd)
+
+    def issue(self, site: str, ttl: timedelta) -> tuple[str, TokenRecord]:
+        """A new token for `site` (its secret is returned here and nowhere else) valid for `ttl` (0: forever)."""
+        check_site_name(site)
+        token_id = secrets.token_hex(6)
+        token = f"{PREFIX}_{token_id}_{secrets.token_urlsafe(32)}"
+        now = self._clock()
+        expires = now + ttl.total_seconds() if ttl.total_seconds() > 0 else 0.0
+        record = TokenRecord(token_id, site, token_hash(token), now, expires)
+        with self._locked() as records:
+            records.append(record)
+        logger.debug("issued token %s for site %s (%s)", token_id, site, _expiry(record))
+        return token, record
+
+    def revoke(self, site: str = "", token_id: str = "") -> list[TokenRecord]:
+        """Revoke the token `token_id`, or every valid token of `site`; the revoked records (ConfigError: none)."""
+        with self._locked() as records:
+            now = self._clock()
+            hits = [r for r in records if (r.id == token_id if token_id else r.site == site) and not r.revoked]
+            for r in hits:
+                r.revoked = now
+        if not hits:
+            what = f"token {token_id}" if token_id else f"site {site}"
+            raise ConfigError(f"no unrevoked token for {what} in {self.path}; see `geofed-hpc token list`")
+        logger.debug("revoked token(s) %s", ", ".join(r.id for r in hits))
+        return hits
+
+
+def _expiry(r: TokenRecord) -> str:
+    return f"expires {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(r.expires))}" if r.expires else "no expiry"
+
+
+def token_table(records: list[TokenRecord], now: float | None = None) -> str:
+    """`token list`: ids, sites, dates and states, never a secret."""
+    now = time.time() if now is None else now
+
+    def day(t: float) -> str:
+        return time.strftime("%Y-%m-%d %H:%M", time.gmtime(t)) if t else "-"
+
+    lines = [f"{'id':<14}{'site':<18}{'created (UTC)':<18}{'expires (UTC)':<18}{'revoked (UTC)':<18}state"]
+    for r in sorted(records, key=lambda r: (r.site, r.created)):
+        lines.append(
+            f"{r.id:<14}{r.site:<18}{day(r.created):<18}{day(r.expires):<18}{day(r.revoked):<18}{r.state(now)}"
+        )
+    return "\n".join(lines)
+
+
+class TokenVerifier:
+    """Checks Join tokens for the running PS: `ps.enroll_token` (one for all sites) and the issued tokens of the
+    token file, which is read again whenever it changes on disk (issue and revoke need no restart)."""
+
+    def __init__(self, path: Path | None, shared: str = "", clock: Callable[[], float] = time.time) -> None:
+        self.path = path
+        self._shared = token_hash(shared) if shared else ""
+        self._clock = clock
+        self._stamp: tuple[int, int, int] | None = None
+        self._by_id: dict[str, TokenRecord] = {}
+        self._had_file = False
+        self._refresh(strict=True)
+
+    def _refresh(self, strict: bool = False) -> None:
+        if self.path is None:
+            return
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            if self._stamp is not None:
+                logger.warning("token file %s is gone: only ps.enroll_token admits new sites now", self.path)
+            self._stamp, self._by_id = None, {}
+            return
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if stamp == self._stamp:
+            return
+        try:
+            records = _records(self.path)
+        except CheckpointError:
+            if strict:
+                raise
+            logger.exception("token file changed but cannot be read; keeping the tokens read before")
+            return
+        self._stamp, self._had_file = stamp, True
+        self._by_id = {r.id: r for r in records}
+        logger.info("read %d token(s) from %s", len(records), self.path)
+
+    @property
+    def required(self) -> bool:
+        """Whether Join needs a token (once a token file has existed it stays required, even if it is removed)."""
+        self._refresh()
+        return bool(self._shared) or self._had_file
+
+    def check(self, site: str, token: str) -> str:
+        """The id of the token that admits `site` ("" for ps.enroll_token or an open PS); AuthError otherwise."""
+        self._refresh()
+        if not self.required:
+            return ""
+        if self._shared and hmac.compare_digest(self._shared, token_hash(token)):
+            return ""
+        parts = token.split("_", 2)
+        record = self._by_id.get(parts[1]) if len(parts) == 3 and parts[0] == PREFIX else None
+        if record is None or not hmac.compare_digest(record.hash, token_hash(token)):
+            raise AuthError(f"site {site!r}: enrollment token refused (unknown or wrong token; check site.token)")
+        state = record.state(self._clock())
+        if state != "valid":
+            raise AuthError(
+                f"site {site!r}: enrollment token {record.id} is {state}: "
+                f"issue a new one with `geofed-hpc token issue site={record.site}`"
+            )
+        if not record.admits(site):
+            raise AuthError(f"site {site!r}: enrollment token {record.id} is for site {record.site!r}, not this one")
+        return record.id
+
+    def revoked(self, token_id: str) -> bool:
+        """Whether the token a session enrolled with has been revoked since (its sessions end)."""
+        if not token_id:
+            return False
+        self._refresh()
+        record = self._by_id.get(token_id)
+        return record is None or bool(record.revoked)

@@ -1,0 +1,78 @@
+"""Scripted fault injection at named points (GEOFED_FAULTS="point[label]@N=action,..."); free when unset."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+
+ENV = "GEOFED_FAULTS"
+ACTIONS = ("kill", "enospc", "eio", "exit")
+# Named points (where the code calls `fault()`):
+#   atomic.write   ckpt/atomic.py, after the data is written to the temp file, before fsync and rename
+#                  (label: the target file name, e.g. global-00000003.gft or site-00000002.gft)
+#   ps.aggregate   ps/state.py, a round's deltas are summed and the update is about to be applied
+#   ps.snapshot    ps/state.py, right after a snapshot file was written, before the pushes are answered
+#   rpc.push       rpc/client.py, a push's first chunk is on the wire and the rest is not
+_SPEC = re.compile(r"^(?P<point>[a-z_.]+)(\[(?P<label>[^\]]*)\])?(@(?P<nth>\d+))?=(?P<action>[a-z]+)$")
+
+
+@dataclass
+class Fault:
+    """Fire `action` at the `nth` hit of `point` whose label contains `label`."""
+
+    point: str
+    action: str
+    nth: int = 1
+    label: str = ""
+    hits: int = 0
+
+
+def parse(spec: str) -> list[Fault]:
+    """`ps.aggregate@2=kill,atomic.write[site]@1=enospc` -> faults; ValueError naming a bad entry."""
+    faults = []
+    for entry in (e.strip() for e in spec.split(",")):
+        if not entry:
+            continue
+        match = _SPEC.match(entry)
+        if not match or match["action"] not in ACTIONS:
+            raise ValueError(f"{ENV}: bad fault {entry!r}; expected point[label]@N=action with action in {ACTIONS}")
+        faults.append(Fault(match["point"], match["action"], int(match["nth"] or 1), match["label"] or ""))
+    return faults
+
+
+_PLAN: list[Fault] = parse(os.environ.get(ENV, ""))
+_LOCK = threading.Lock()
+
+
+def install(spec: str) -> None:
+    """Replace this process's plan (tests that inject in-process; "" removes every fault)."""
+    global _PLAN
+    with _LOCK:
+        _PLAN = parse(spec)
+
+
+def fault(point: str, label: str = "") -> None:
+    """Called at a named point: does nothing unless a planned fault matches this hit."""
+    if not _PLAN:
+        return
+    with _LOCK:
+        due = None
+        for f in _PLAN:
+            if f.point == point and f.label in label:
+                f.hits += 1
+                if f.hits == f.nth:
+                    due = f
+        if due is None:
+            return
+    print(f"fault injected: {due.action} at {point} [{label}] (hit {due.nth})", file=sys.stderr, flush=True)
+    if due.action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if due.action == "exit":
+        os._exit(70)
+    code = errno.ENOSPC if due.action == "enospc" else errno.EIO
+    raise OSError(code, f"{os.strerror(code)} (injected at {point})")

@@ -1,0 +1,287 @@
+"""Injected faults (killed PS and sites, full disks, torn checkpoints, partitions): every delta lands exactly once."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from geofed_hpc import codec
+from geofed_hpc.ckpt import CheckpointStore
+from geofed_hpc.ckpt.atomic import TEMP_MARKER
+from geofed_hpc.config import CodecConfig
+from geofed_hpc.errors import UnavailableError
+from geofed_hpc.ps.app import ParameterServer
+from geofed_hpc.rpc import messages as m
+from geofed_hpc.rpc.client import PSClient
+from geofed_hpc.testing import faults
+from geofed_hpc.testing.partition import Partition
+from tests.conftest import ps_config, small_params
+from tests.dist_util import free_port
+from tests.site_procs import Site, events, wait_for
+from tests.test_ps_logic import init, joined, make, push
+from tests.test_site_client import latest, make_ps, metrics, run_site, shards, site_cfg
+
+__all__ = ["shards"]  # the module-scoped token shards fixture, shared with test_site_client
+FP32 = CodecConfig(name="fp32")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_fault_plans_parse_fire_on_the_nth_matching_hit_and_cost_nothing_unset() -> None:
+    assert faults.parse("") == []
+    with pytest.raises(ValueError, match="bad fault 'x=boom'"):
+        faults.parse("x=boom")
+    faults.install("atomic.write[global]@2=enospc")
+    try:
+        faults.fault("atomic.write", "site-00000001.gft")  # another label: not counted
+        faults.fault("atomic.write", "global-00000001.gft")
+        with pytest.raises(OSError, match="No space left") as info:
+            faults.fault("atomic.write", "global-00000002.gft")
+        assert info.value.errno == 28
+        faults.fault("atomic.write", "global-00000003.gft")  # fired once
+    finally:
+        faults.install("")
+    assert faults._PLAN == []
+
+
+@contextmanager
+def ps_process(state: Path, port: int, plan: str = "") -> Iterator[subprocess.Popen]:
+    """`geofed-hpc ps up` (async, fp32, a snapshot every version) as a real process on a fixed port."""
+    env = {**os.environ, faults.ENV: plan}
+    args = ["ps", "up", f"ps.port={port}", f"ps.state_dir={state}", "codec=fp32", "ps.aggregation=async"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "geofed_hpc.cli", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for _ in range(50):
+            line = proc.stdout.readline()
+            if re.search(r"^parameter server on ", line) or not line:
+                break
+        assert "parameter server on" in line, line
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def ones_payload(params: dict) -> bytes:
+    return codec.encode({k: np.ones_like(v) for k, v in params.items()}, FP32)
+
+
+# (fault plan, the version the restarted PS comes back at, whether resending the cut push is a duplicate)
+PS_KILLS = {
+    # killed after push 2's delta was summed, before it was applied: the snapshot of version 1 is the latest
+    "mid-aggregation": ("ps.aggregate@2=kill", 1, False),
+    # killed while writing the snapshot of version 2 (temp file written, not renamed): version 1 again
+    "mid-snapshot": ("atomic.write[global]@3=kill", 1, False),
+    # killed after the snapshot of version 2 was written, before push 2 was answered: it is remembered there
+    "after-snapshot": ("ps.snapshot@3=kill", 2, True),
+}
+
+
+@pytest.mark.parametrize("plan, restart_version, duplicate", PS_KILLS.values(), ids=PS_KILLS.keys())
+def test_ps_sigkilled_then_restarted_loses_no_delta_and_applies_none_twice(
+    tmp_path: Path, plan: str, restart_version: int, duplicate: bool
+) -> None:
+    state, port = tmp_path / "state", free_port()
+    params = small_params()
+    cfg = ps_config(connect_timeout="60s")
+    address = f"127.0.0.1:{port}"
+    versions = []
+    headers = [m.PushHeader("", i, 1, 1, "fp32", 0, b"", f"push-{i}") for i in range(4)]
+    with ps_process(state, port, plan) as proc, PSClient(cfg, address) as client:
+        client.connect()
+        joined_ = client.join(m.JoinRequest("site-a"))
+        sid = joined_.session_id
+        init_header = m.PushHeader(sid, 0, 0, 0, "fp32", 0, b"", "init", init=True)
+        assert client.push_delta(init_header, codec.encode(params, FP32)).accepted
+        headers[0].session_id = sid
+        versions.append(client.push_delta(headers[0], ones_payload(params)).version)
+        headers[1].session_id = sid
+        with pytest.raises(UnavailableError):  # the PS dies while handling push 2
+            client.push_delta(headers[1], ones_payload(params))
+        assert proc.wait(timeout=30) == -9
+    torn = [p for p in state.iterdir() if TEMP_MARKER in p.name]
+    assert bool(torn) == plan.startswith("atomic.write")  # only the mid-snapshot kill leaves a torn temp file
+    with ps_process(state, port) as proc, PSClient(cfg, address) as client:
+        client.connect()
+        assert client.status().version == restart_version
+        again = client.join(m.JoinRequest("site-a", joined_.rejoin_token, resume_session=sid))  # session restored
+        assert again.session_id == sid
+        resent = client.push_delta(headers[1], ones_payload(params))  # the site's retransmission, same push id
+        assert resent.accepted and resent.duplicate == duplicate
+        versions.append(resent.version)
+        assert client.push_delta(headers[0], ones_payload(params)).duplicate  # an old resend: not applied again
+        for h in headers[2:]:
+            h.session_id, h.base_version = sid, versions[-1]
+            versions.append(client.push_delta(h, ones_payload(params)).version)
+        _, payload = client.pull_model(sid)
+    assert versions == [1, 2, 3, 4]  # continuous
+    model = codec.decode(payload)
+    for k, v in params.items():  # every delta exactly once: Θ0 + 4 · 1
+        np.testing.assert_allclose(model[k], v + 4, rtol=0, atol=1e-5)
+    assert not any(TEMP_MARKER in p.name for p in state.iterdir())
+
+
+def test_full_disk_during_a_ps_snapshot_is_survived_and_the_next_snapshot_lands(tmp_path: Path) -> None:
+    logic = make("async", run_codec="fp32", state_dir=str(tmp_path))
+    (a,) = joined(logic, 1)
+    params = init(logic, a)  # snapshot 1 (version 0)
+    faults.install("atomic.write[global]@1=enospc")
+    try:
+        assert push(logic, a, 0, {k: np.ones_like(v) for k, v in params.items()}, push_id="p1").accepted
+    finally:
+        faults.install("")
+    assert logic.version == 1 and logic.snapshot_version == 0  # the write failed; the PS goes on
+    assert not any(TEMP_MARKER in p.name for p in tmp_path.iterdir())
+    assert push(logic, a, 1, {k: np.ones_like(v) for k, v in params.items()}, push_id="p2").accepted
+    assert logic.snapshot_version == 2
+    logic.finish()
+    restarted = make("async", run_codec="fp32", state_dir=str(tmp_path))
+    assert restarted.version == 2
+    assert push(restarted, a, 2, {k: np.ones_like(v) for k, v in params.items()}, push_id="p1").duplicate
+    restarted.finish()
+
+
+def test_full_disk_during_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, prefix="site", keep=2)
+    store.save(1, {"w": np.ones(1000, np.float32)}, {"syncs": 1})
+    faults.install("atomic.write[site]@1=enospc")
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            store.save(2, {"w": np.full(1000, 2, np.float32)}, {"syncs": 2})
+    finally:
+        faults.install("")
+    loaded = store.load_latest()
+    assert loaded is not None and loaded[1]["syncs"] == 1
+    assert not any(TEMP_MARKER in p.name for p in tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------- site processes (slow: real FSDP2 training)
+def site_pushes(ps: ParameterServer, site: str = "local-0") -> int:
+    return sum(s.pushes for s in ps.logic.status(m.StatusRequest()).sites if s.site == site)
+
+
+def synced(folder: Path) -> list[tuple[int, int]]:
+    """(sync index, global version after it) of every sync the site recorded."""
+    return [(int(r["sync/index"]), int(r["sync/version"])) for r in metrics(folder) if "train/loss" in r]
+
+
+@pytest.mark.slow
+def test_site_killed_mid_push_resumes_and_no_delta_is_lost_or_applied_twice(
+    tmp_path: Path, shards: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ps = make_ps(tmp_path, aggregation="async")
+    try:
+        monkeypatch.setenv(faults.ENV, "rpc.push@3=kill")  # push 1 uploads the model, 2 is sync 1, 3 is cut
+        site = Site(site_cfg(tmp_path, shards, max_syncs=3), tmp_path, ps.address)
+        try:
+            assert site.wait(timeout=600) == [-9], site.output()
+        finally:
+            site.close()
+        assert "fault injected: kill at rpc.push" in site.output()
+        assert ps.logic.version == 1 and site_pushes(ps) == 1  # the cut push was never applied
+        monkeypatch.delenv(faults.ENV)
+        run_site(tmp_path, shards, ps, max_syncs=3)
+        assert ps.logic.version == 3 and site_pushes(ps) == 3  # each sync's delta exactly once
+    finally:
+        ps.stop()
+    assert synced(tmp_path) == [(1, 1), (2, 2), (3, 3)]
+    ready = [e["source"] for e in events(tmp_path / "run" / "sites" / "local-0") if e["event"] == "ready"]
+    assert ready == ["fresh", "local"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_corrupt_or_truncated_site_checkpoint_falls_back_and_the_federation_continues(
+    tmp_path: Path, shards: Path, damage: str
+) -> None:
+    ps = make_ps(tmp_path, aggregation="async")
+    try:
+        run_site(tmp_path, shards, ps, max_syncs=2)
+        _, _, path = latest(tmp_path)
+        data = bytearray(path.read_bytes())
+        if damage == "truncate":
+            path.write_bytes(bytes(data[: len(data) // 2]))
+        else:
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+        run_site(tmp_path, shards, ps, max_syncs=3)
+        # The damaged file is skipped: the site resumes from sync 1's checkpoint and the fresher global model,
+        # and trains syncs 2 and 3 again as new work (the first sync 2 stays applied once at the PS).
+        assert ps.logic.version == 4 and site_pushes(ps) == 4
+    finally:
+        ps.stop()
+    assert synced(tmp_path) == [(1, 1), (2, 2), (2, 3), (3, 4)]  # versions continuous, each delta once
+    ready = [e["source"] for e in events(tmp_path / "run" / "sites" / "local-0") if e["event"] == "ready"]
+    assert ready == ["fresh", "global"]
+    _, meta, _ = latest(tmp_path)
+    assert meta["version"] == 4 and meta["syncs"] == 3
+
+
+@pytest.mark.slow
+def test_partition_between_a_site_and_the_ps_heals_and_every_delta_lands_once(tmp_path: Path, shards: Path) -> None:
+    ps = make_ps(tmp_path, aggregation="async")
+    host, port = ps.address.rsplit(":", 1)
+    link = Partition((host, int(port)))
+    try:
+        site = Site(site_cfg(tmp_path, shards, max_syncs=4), tmp_path, link.address)
+        try:
+            wait_for(lambda: ps.logic.version >= 2, 300, "the first sync")
+            link.cut()
+            cut_at = ps.logic.version
+            time.sleep(15)  # the outage: well inside the client's retry budget
+            assert ps.logic.version == cut_at  # nothing got through
+            link.heal()
+            assert site.wait(timeout=600) == [0], site.output()
+        finally:
+            site.close()
+        assert ps.logic.version == 4 and site_pushes(ps) == 4
+    finally:
+        link.close()
+        ps.stop()
+    assert synced(tmp_path) == [(i, i) for i in (1, 2, 3, 4)]
+
+
+@pytest.mark.slow
+def test_full_disk_during_a_site_checkpoint_then_a_restart_continues_the_federation(
+    tmp_path: Path, shards: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ps = make_ps(tmp_path, aggregation="async")
+    try:
+        monkeypatch.setenv(faults.ENV, "atomic.write[site-]@2=enospc")  # the checkpoint after sync 2
+        site = Site(site_cfg(tmp_path, shards, max_syncs=3), tmp_path, ps.address)
+        try:
+            codes = site.wait(timeout=600)
+        finally:
+            site.close()
+        # The job fails (Slurm requeues it); sync 2's delta is already applied, once.
+        assert codes == [1] and "No space left on device" in site.output()
+        assert ps.logic.version == 2 and site_pushes(ps) == 2
+        ckpt = tmp_path / "run" / "sites" / "local-0" / "ckpt"
+        assert not [p for p in ckpt.iterdir() if TEMP_MARKER in p.name]  # no torn file left behind
+        monkeypatch.delenv(faults.ENV)
+        run_site(tmp_path, shards, ps, max_syncs=3)  # resumes from sync 1's checkpoint and the global model
+        assert ps.logic.version == 4 and site_pushes(ps) == 4
+    finally:
+        ps.stop()
+    assert synced(tmp_path) == [(1, 1), (2, 2), (2, 3), (3, 4)]
+    ready = [e["source"] for e in events(tmp_path / "run" / "sites" / "local-0") if e["event"] == "ready"]
+    assert ready == ["fresh", "global"]
