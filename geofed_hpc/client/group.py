@@ -22,6 +22,7 @@ from geofed_hpc.client.fsdp import (
 from geofed_hpc.client.steps import Stepper
 from geofed_hpc.data import BatchSampler
 from geofed_hpc.errors import ProtocolError
+from geofed_hpc.paradigms.site import SiteParadigm
 
 Arrays = dict[str, np.ndarray]
 _ARGS = 4
@@ -53,8 +54,10 @@ class SiteGroup:
         val: list[tuple[torch.Tensor, torch.Tensor]],
         rank: int,
         world_size: int,
+        paradigm: SiteParadigm | None = None,
     ) -> None:
         self.stepper, self.sampler, self.val = stepper, sampler, val
+        self.paradigm = paradigm
         self.model: nn.Module = stepper.model
         self.optimizer = stepper.optimizer
         self.rank, self.world_size = rank, world_size
@@ -99,12 +102,22 @@ class SiteGroup:
         return int(flag.item())
 
     # ------------------------------------------------------------------ rank 0 (and one-process) API
-    def step(self) -> tuple[float, int, int]:
-        """One local step on the next site batch: (site-mean loss, tokens, largest stop signal any rank got)."""
-        with self._collective(Cmd.STEP, self.sampler.draws):
+    def step(self, phase: int = 0) -> tuple[float, int, int]:
+        """One local step on the next site batch, training the paradigm's `phase` parameters: (site-mean loss,
+        tokens, largest stop signal any rank got)."""
+        with self._collective(Cmd.STEP, self.sampler.draws, phase):
             x, y = self.sampler.next_batch()
-            loss = self.stepper.step(x, y)
+            loss = self._step(x, y, phase)
             return loss, x.numel(), self._any_signal()
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor, phase: int) -> float:
+        p = self.paradigm
+        if p is None:
+            return self.stepper.step(x, y)
+        p.set_phase(self.model, phase)
+        if p.custom_step:  # one process (build_runtime refuses more): the paradigm's own step, no optimizer
+            return p.step(self.model, self.stepper.loss, x, y)
+        return self.stepper.step(x, y)
 
     def evaluate(self) -> float:
         with self._collective(Cmd.EVAL):
@@ -217,7 +230,7 @@ class SiteGroup:
                 return int(args[0])
             if cmd == Cmd.STEP:
                 self.sampler.draws = int(args[0])
-                self.stepper.step(*self.sampler.next_batch())
+                self._step(*self.sampler.next_batch(), int(args[1]))
                 self._any_signal()
             elif cmd == Cmd.EVAL:
                 self.stepper.evaluate(self.val)

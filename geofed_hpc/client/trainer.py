@@ -20,29 +20,33 @@ from geofed_hpc import codec
 from geofed_hpc.ckpt import CheckpointStore
 from geofed_hpc.ckpt.best import BestCheckpoints
 from geofed_hpc.ckpt.secret import read_secret, write_secret
-from geofed_hpc.client.params import Arrays, delta
+from geofed_hpc.client.params import Arrays
 from geofed_hpc.client.runtime import build_runtime
 from geofed_hpc.client.telemetry import RttMeter, SyncTimer, gpu_metrics, preemptions, rss_gb
 from geofed_hpc.config import CodecConfig, RunConfig, to_dict
 from geofed_hpc.errors import AuthError, CheckpointError, CodecError, GeofedError, ProtocolError, StaleError
 from geofed_hpc.log import logger
 from geofed_hpc.metrics import Recorder
+from geofed_hpc.paradigms import Exchange
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 
 EXTRA_PULL_WAIT = timedelta(seconds=30)
 
 
-def apply_updates(base: Arrays, header: m.ModelHeader, payload: bytes) -> Arrays:
+def apply_updates(base: Arrays, header: m.ModelHeader, payload: bytes, exchange: Exchange | None = None) -> Arrays:
     """Add the PS's encoded global updates (header.segments, in version order) to `base` in place, the same
-    float32 adds the PS made, so `base` stays bit-identical to the global model."""
+    float32 adds the PS made (each update expanded by the paradigm as the PS does), so `base` stays
+    bit-identical to the global model."""
     if sum(header.segments) != len(payload):
         raise ProtocolError(f"update segments add up to {sum(header.segments)} bytes, the payload has {len(payload)}")
-    expected = {k: (tuple(v.shape), "float32") for k, v in base.items()}
+    exchange = exchange or Exchange()
+    shapes = {k: tuple(v.shape) for k, v in base.items()}
+    expected = {k: (s, "float32") for k, s in exchange.wire_spec(shapes).items()}
     view, pos = memoryview(payload), 0
-    for size in header.segments:
+    for i, size in enumerate(header.segments):
         update = codec.decode(view[pos : pos + size], expected=expected)  # type: ignore[arg-type]
-        for k, v in update.items():
+        for k, v in exchange.expand(update, header.base_version + i, shapes).items():
             base[k] += v
         pos += size
     return base
@@ -76,6 +80,9 @@ class SiteTrainer:
         self.runtime = build_runtime(cfg, site_index, init=not resuming)  # resuming: weights come from disk
         self.group, self.rank = self.runtime.group, self.runtime.ranks.rank
         self.model, self.optimizer, self.sampler = self.runtime.model, self.runtime.optimizer, self.runtime.sampler
+        self.paradigm = self.runtime.paradigm
+        self.exchange = self.paradigm.exchange
+        self.private = [n for n, _ in self.model.named_parameters() if self.exchange.is_private(n)]
         self.best = BestCheckpoints(self.dir / "ckpt" / "best", keep=int(getattr(cfg.train, "keep_best", 10)))
         self.val_loss = math.nan
         self._disk_model: Arrays = {}
@@ -110,6 +117,7 @@ class SiteTrainer:
         if pending:  # the model is ahead of its base: resuming must be able to push local - base
             tensors.update({f"base/{k}": v for k, v in self.base.items()})
         tensors.update(self._codec_state()[0].state())  # residual/<param>: error feedback survives a requeue
+        tensors.update(self.paradigm.state())  # the unpushed part of a round the paradigm keeps (zo's coefficients)
         syncs = self._syncs_after_push if pushed else self.syncs
         meta = {
             "version": self.version,
@@ -150,6 +158,7 @@ class SiteTrainer:
         self.group.set_scaler_state(meta.get("scaler") or {})
         self.base = {k[5:]: v for k, v in tensors.items() if k.startswith("base/")}
         self._codec_state()[0].load(tensors)
+        self.paradigm.load_state(tensors)
         self.sampler.load_state_dict(meta["sampler"])
         self.syncs, self.tokens_seen = int(meta["syncs"]), int(meta["tokens_seen"])
         self.contribution_total = int(meta.get("contribution_total", 0))
@@ -261,13 +270,15 @@ class SiteTrainer:
 
     # ---------------------------------------------------------------- protocol steps
     def _join(self, client: PSClient, meta: dict[str, Any] | None) -> m.JoinReply:
+        paradigm = self.cfg.paradigm.describe()  # the PS refuses a site whose paradigm differs from its own
         if meta and meta.get("session_id"):
             try:
                 token = read_secret(self.dir / "rejoin.json").get("rejoin_token") or meta.get("rejoin_token", "")
-                return client.join(m.JoinRequest(self.name, token, resume_session=meta["session_id"]))
+                request = m.JoinRequest(self.name, token, resume_session=meta["session_id"], paradigm=paradigm)
+                return client.join(request)
             except AuthError as exc:
                 logger.info("%s: rejoin refused (%s); enrolling again", self.name, exc)
-        return client.join(m.JoinRequest(self.name, self.cfg.site.token))
+        return client.join(m.JoinRequest(self.name, self.cfg.site.token, paradigm=paradigm))
 
     def _pull(self, client: PSClient, min_version: int, wait: timedelta) -> None:
         """Take the global model: only the PS's encoded updates since our version when it still keeps them
@@ -282,7 +293,7 @@ class SiteTrainer:
             try:
                 if header.base_version != have:
                     raise ProtocolError(f"updates start at version {header.base_version}, we hold {have}")
-                arrays = apply_updates(self.base, header, payload)
+                arrays = apply_updates(self.base, header, payload, self.exchange)
             except (CodecError, ProtocolError) as exc:
                 logger.warning("%s: cannot apply the global updates (%s); pulling the full model", self.name, exc)
                 self.base = {}
@@ -292,13 +303,20 @@ class SiteTrainer:
             arrays = codec.decode(payload)
             if have is not None and header.version < have:
                 logger.warning("%s: the PS is back at version %d (we held %d)", self.name, header.version, have)
-        self.group.load_model(arrays)
+        self.group.load_model(self._with_private(arrays))
         self.base, self.version = arrays, header.version
+
+    def _with_private(self, arrays: Arrays) -> Arrays:
+        """The global model plus this site's private tensors (hybrid_lora's adapters), which it never sends."""
+        if not self.private:
+            return arrays
+        local = self.group.model_arrays()
+        return {**{k: np.array(local[k], copy=True) for k in self.private}, **arrays}
 
     def _seed(self, client: PSClient, meta: dict[str, Any] | None) -> None:
         """The PS holds no model: upload ours (bootstrap), or re-seed it from this site's checkpoint."""
         version = int(meta["version"]) if meta else 0
-        arrays = self.base if self.base else self.group.model_arrays()
+        arrays = self.base if self.base else self.exchange.public(self.group.model_arrays())
         if version > 0:
             logger.warning("%s: the PS has no model; re-seeding it from our checkpoint (v%d)", self.name, version)
             self._event("reseed", version=version)
@@ -320,8 +338,10 @@ class SiteTrainer:
         self._interval_start = time.monotonic() - elapsed
         deadline = self._interval_start + settings.sync_interval_s
         self.phase = "train"
+        self.paradigm.begin_round(self.version, settings.paradigm_seed, steps)
         while True:
-            loss, tokens, signalled = self.group.step()  # every rank: its slice, micro-batches, one optimizer step
+            # every rank: its slice, micro-batches, one optimizer step on the paradigm's parameters of this step
+            loss, tokens, signalled = self.group.step(self.paradigm.phase(steps))
             if signalled and self.stop_signal is None:
                 self.stop_signal = signalled  # another rank of this site was signalled: stop together
             steps += 1
@@ -345,7 +365,7 @@ class SiteTrainer:
     def _push(self, client: PSClient, settings: m.RunSettings, steps: int, loss: float) -> tuple[int, int]:
         """Push local - base plus the residual the codec lost last time (error feedback); codec=adaptive picks
         the codec from the measured push throughput."""
-        d = delta(self.group.model_arrays(), self.base)
+        d = self.paradigm.wire_update(self.group.model_arrays(), self.base)  # only the exchanged tensors
         raw = sum(v.nbytes for v in d.values())
         feedback, link = self._codec_state()
         name = settings.codec
@@ -354,7 +374,10 @@ class SiteTrainer:
         c = self.cfg.codec
         cfg = CodecConfig(name, settings.block_size, c.zstd_level, stochastic_rounding=c.stochastic_rounding)
         t_enc = time.monotonic()
-        payload, residual = feedback.encode(d, cfg)
+        if self.paradigm.error_feedback:
+            payload, residual = feedback.encode(d, cfg)
+        else:
+            payload, residual = codec.encode(d, cfg), feedback.residual
         self.timer.encode_s += time.monotonic() - t_enc
         header = m.PushHeader(
             self.session.session_id,
@@ -424,7 +447,7 @@ class SiteTrainer:
         there, else pull only what is newer (the PS's updates since that version, when it keeps them)."""
         if not meta or meta.get("pending") or not meta.get("global_model") or not self._disk_model:
             return False
-        self.base, self.version = self._disk_model, int(meta["version"])
+        self.base, self.version = self.exchange.public(self._disk_model), int(meta["version"])
         return self.version == self.session.version
 
     def _keep_token(self) -> None:

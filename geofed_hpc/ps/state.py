@@ -16,6 +16,7 @@ from geofed_hpc import codec
 from geofed_hpc.config import CodecConfig, PSConfig
 from geofed_hpc.errors import CheckpointError, GeofedError
 from geofed_hpc.log import logger
+from geofed_hpc.paradigms.exchange import Exchange
 from geofed_hpc.ps.aggregate import OuterOptimizer, Params, add_update
 from geofed_hpc.ps.downlink import Downlink
 from geofed_hpc.ps.persist import PSState, Snapshots, load_init
@@ -33,9 +34,18 @@ class GlobalState:
     """Everything the PS holds, and the transitions between versions; callers hold `_cond` around each method
     whose docstring says so. ParameterServerLogic (servicer.py) adds the RPCs on top."""
 
-    def __init__(self, cfg: PSConfig, settings: m.RunSettings, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cfg: PSConfig,
+        settings: m.RunSettings,
+        clock: Callable[[], float] = time.monotonic,
+        exchange: Exchange | None = None,
+    ) -> None:
         self.cfg = cfg
         self.settings = settings
+        # the paradigm's view of the model: what a delta carries and how an update lands on the global model
+        self.exchange = exchange or Exchange()
+        settings.paradigm = self.exchange.describe()
         settings.aggregation = cfg.aggregation
         self._clock = clock
         self._started = clock()
@@ -47,7 +57,8 @@ class GlobalState:
         self._sending = threading.BoundedSemaphore(cfg.max_concurrent_downloads)
         self._decoders = ThreadPoolExecutor(cfg.decode_threads, thread_name_prefix="ps-decode")
         self.params: Params | None = None
-        self._spec: dict[str, tuple[tuple[int, ...], str]] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}  # the global model's
+        self._spec: dict[str, tuple[tuple[int, ...], str]] = {}  # what a delta carries
         self.version = 0
         self.sessions = SessionTable(cfg.enroll_token, clock, idle_after=3 * cfg.round_timeout.total_seconds())
         self._push_ids: OrderedDict[str, m.PushReply] = OrderedDict()
@@ -82,7 +93,8 @@ class GlobalState:
     def _adopt(self, params: Params, version: int) -> None:
         """Take `params` as the model at `version` (hold the lock)."""
         self.params = params
-        self._spec = {k: (tuple(v.shape), "float32") for k, v in params.items()}
+        self._shapes = {k: tuple(v.shape) for k, v in params.items()}
+        self._spec = {k: (s, "float32") for k, s in self.exchange.wire_spec(self._shapes).items()}
         self.version = version
         self.rounds.clear()
         self.rounds.spec = {k: s for k, (s, _) in self._spec.items()}
@@ -176,7 +188,7 @@ class GlobalState:
         except (GeofedError, ValueError) as exc:
             logger.error("round at version %d discarded: %s", self.version, exc)
             return
-        add_update(self.params, applied)
+        add_update(self.params, self.exchange.expand(applied, self.version, self._shapes))
         self.version += 1
         self._new_version_caches()
         if self.version % self.cfg.snapshot_every == 0:
