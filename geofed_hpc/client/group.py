@@ -21,6 +21,7 @@ from geofed_hpc.client.fsdp import (
 )
 from geofed_hpc.client.steps import Stepper
 from geofed_hpc.data import BatchSampler
+from geofed_hpc.data.squad import QAExample, QASampler, greedy_answers, score
 from geofed_hpc.errors import ProtocolError
 from geofed_hpc.paradigms.site import SiteParadigm
 
@@ -38,6 +39,7 @@ class Cmd(IntEnum):
     LOAD_OPTIM = 6
     SET_RNG = 7
     SET_SCALER = 8
+    QA = 9
 
 
 class SiteGroup:
@@ -50,12 +52,14 @@ class SiteGroup:
     def __init__(
         self,
         stepper: Stepper,
-        sampler: BatchSampler,
+        sampler: BatchSampler | QASampler,
         val: list[tuple[torch.Tensor, torch.Tensor]],
         rank: int,
         world_size: int,
         paradigm: SiteParadigm | None = None,
+        questions: list[QAExample] | None = None,
     ) -> None:
+        self.questions = questions or []
         self.stepper, self.sampler, self.val = stepper, sampler, val
         self.paradigm = paradigm
         self.model: nn.Module = stepper.model
@@ -122,6 +126,16 @@ class SiteGroup:
     def evaluate(self) -> float:
         with self._collective(Cmd.EVAL):
             return self.stepper.evaluate(self.val)
+
+    def qa_metrics(self) -> dict[str, float]:
+        """Exact match and F1 of greedy answers to the validation questions ({} for a language-model task)."""
+        if not self.questions:
+            return {}
+        with self._collective(Cmd.QA):
+            return score(self._answers(), self.questions)
+
+    def _answers(self) -> list[str]:
+        return greedy_answers(self.model, self.questions, self.sampler.context, self.stepper.device)
 
     def model_arrays(self) -> Arrays:
         """Full float32 parameters by name (tied once), on rank 0. In a one-process site on CPU these are views of
@@ -234,6 +248,8 @@ class SiteGroup:
                 self._any_signal()
             elif cmd == Cmd.EVAL:
                 self.stepper.evaluate(self.val)
+            elif cmd == Cmd.QA:
+                self._answers()
             elif cmd == Cmd.GATHER_MODEL:
                 full_state(self.model)
             elif cmd == Cmd.GATHER_OPTIM:

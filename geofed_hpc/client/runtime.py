@@ -21,6 +21,7 @@ from geofed_hpc.config import RunConfig
 from geofed_hpc.data import BatchSampler, eval_batches
 from geofed_hpc.data.corpus import default_cache_dir
 from geofed_hpc.data.shards import site_tokens
+from geofed_hpc.data.squad import QAExample, QASampler, is_squad, qa_eval_batches, split_examples
 from geofed_hpc.errors import ConfigError
 from geofed_hpc.log import logger
 from geofed_hpc.models import build_model, num_params
@@ -37,7 +38,7 @@ class SiteRuntime:
     precision: Precision
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    sampler: BatchSampler
+    sampler: BatchSampler | QASampler
     group: SiteGroup
     micro_batch: int
     initialized: bool
@@ -67,9 +68,7 @@ def build_runtime(cfg: RunConfig, site_index: int, init: bool = True) -> SiteRun
     init_distributed(ranks, device, collective_timeout(cfg))
     init = bool(_broadcast_int(int(init), device, ranks.world_size > 1))
     precision = choose_precision(str(getattr(cfg.train, "precision", "auto")), device)
-    train, val = site_tokens(cfg.data, cfg.model.vocab_size, site_index, cfg.site.num_sites)
-    sampler = BatchSampler(train, cfg.train.batch_size, cfg.model.context, seed=cfg.train.seed * 1000 + site_index)
-    val_batches = eval_batches(val, cfg.train.batch_size, cfg.model.context, cfg.data.val_batches)
+    sampler, val_batches, questions = _data(cfg, site_index)
     model = build_model(cfg.model, seed=cfg.train.seed, init=init)
     paradigm = site_paradigm(cfg.paradigm, cfg.train.max_local_steps)
     paradigm.prepare(model)  # adapters and frozen weights, before sharding and the optimizer
@@ -83,7 +82,7 @@ def build_runtime(cfg: RunConfig, site_index: int, init: bool = True) -> SiteRun
     micro = _micro_batch(cfg, model, precision, ranks, device, n_params, sharded)
     plan = StepPlan(cfg.train.batch_size, ranks.world_size, ranks.rank, micro)
     stepper = Stepper(model, optimizer, precision, plan, device, sharded)
-    group = SiteGroup(stepper, sampler, val_batches, ranks.rank, ranks.world_size, paradigm)
+    group = SiteGroup(stepper, sampler, val_batches, ranks.rank, ranks.world_size, paradigm, questions)
     accumulation = len(plan.micro)
     logger.info(
         "rank %d/%d on %s: %s, %.1fM parameters%s, micro-batch %d x %d accumulation (site batch %d x %d tokens)",
@@ -99,6 +98,22 @@ def build_runtime(cfg: RunConfig, site_index: int, init: bool = True) -> SiteRun
         cfg.model.context,
     )
     return SiteRuntime(ranks, device, precision, model, optimizer, sampler, group, micro, init, cfg, paradigm)
+
+
+def _data(
+    cfg: RunConfig, site_index: int
+) -> tuple[BatchSampler | QASampler, list[tuple[torch.Tensor, torch.Tensor]], list[QAExample]]:
+    """This site's sampler, the validation batches and (question answering) the validation questions."""
+    seed, batch, context = cfg.train.seed * 1000 + site_index, cfg.train.batch_size, cfg.model.context
+    if is_squad(cfg.data.source):  # SQuAD v1.1 JSON: answer-only loss, exact match and F1 at each evaluation
+        train_qa, val_qa = split_examples(cfg.data, site_index, cfg.site.num_sites)
+        return (
+            QASampler(train_qa, batch, context, seed),
+            qa_eval_batches(val_qa, batch, context, cfg.data.val_batches),
+            val_qa,
+        )
+    train, val = site_tokens(cfg.data, cfg.model.vocab_size, site_index, cfg.site.num_sites)
+    return BatchSampler(train, batch, context, seed=seed), eval_batches(val, batch, context, cfg.data.val_batches), []
 
 
 def _micro_batch(

@@ -85,6 +85,7 @@ class SiteTrainer:
         self.private = [n for n, _ in self.model.named_parameters() if self.exchange.is_private(n)]
         self.best = BestCheckpoints(self.dir / "ckpt" / "best", keep=int(getattr(cfg.train, "keep_best", 10)))
         self.val_loss = math.nan
+        self.qa: dict[str, float] = {}
         self._disk_model: Arrays = {}
         self.store = CheckpointStore(self.dir / "ckpt", prefix="site", keep=2)
         self.base: Arrays = {}
@@ -330,6 +331,7 @@ class SiteTrainer:
 
     def evaluate(self) -> float:
         self.val_loss = self.group.evaluate()
+        self.qa = self.group.qa_metrics()  # val/exact_match, val/f1 for a question-answering task
         return self.val_loss
 
     def _train_interval(self, settings: m.RunSettings) -> tuple[int, float]:
@@ -488,7 +490,7 @@ class SiteTrainer:
             )
             self._event("ready", source=resume, version=self.version, seconds=round(time.time() - self.started, 3))
             if self.syncs == 0:
-                rec.log({"val/loss": self.evaluate(), "sync/version": self.version, "sync/index": 0})
+                rec.log({"val/loss": self.evaluate(), **self.qa, "sync/version": self.version, "sync/index": 0})
                 if self.val_loss > 0:  # the PS's ps/global_val_loss starts at version 0 too
                     sid = self.session.session_id
                     client.heartbeat(m.HeartbeatRequest(sid, self.version, val_loss=self.val_loss))
@@ -522,6 +524,7 @@ class SiteTrainer:
                         "sync/local_steps": steps,
                         "train/loss": train_loss,
                         "val/loss": val_loss,
+                        **self.qa,
                         "train/tokens": self.tokens_seen,
                         "train/tokens_per_s": steps * self.sampler_tokens() / max(train_s, 1e-9),
                         "sync/bytes_sent": sent,
