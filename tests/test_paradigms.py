@@ -25,7 +25,7 @@ from geofed_hpc.config import (
     to_dict,
 )
 from geofed_hpc.data.shards import prepare_shards
-from geofed_hpc.errors import ConfigError, StaleError
+from geofed_hpc.errors import CheckpointError, ConfigError, StaleError
 from geofed_hpc.metrics import read_jsonl
 from geofed_hpc.models import build_model
 from geofed_hpc.paradigms import exchange_for
@@ -159,6 +159,13 @@ def test_a_restarted_hybrid_site_keeps_its_private_adapters(tmp_path: Path, shar
     base = "model/blocks.0.attn.qkv.weight"
     assert not np.array_equal(after[base], before[base])  # the base went on training
 
+    # a checkpoint of another paradigm (other adapters) is refused with both named
+    from geofed_hpc.client.trainer import SiteTrainer
+
+    other = run_config(tmp_path, shards, "lora")
+    with pytest.raises(CheckpointError, match=r"paradigm='hybrid_lora\(rank=2.*this run has 'lora\(rank=2"):
+        SiteTrainer(other, 0, "127.0.0.1:1")._load()
+
 
 def test_join_refuses_a_site_with_another_paradigm(live_ps: Any) -> None:
     with PSClient(live_ps.cfg.ps, live_ps.address) as client:
@@ -228,3 +235,25 @@ def test_zo_pushes_scalars_the_ps_expands_them_and_a_seed_mismatch_is_refused() 
     mirror = apply_updates({k: v.copy() for k, v in start.items()}, header, payload, logic.exchange)
     for k, v in mirror.items():
         np.testing.assert_array_equal(v, logic.params[k])  # type: ignore[index]
+
+
+@pytest.mark.slow
+def test_a_two_rank_fsdp2_hybrid_site_trains_like_one_process(tmp_path: Path, shards: Path) -> None:
+    runs = {}
+    for world in (2, 1):
+        folder = tmp_path / f"world{world}"
+        cfg = run_config(folder, shards, "hybrid_lora", max_syncs=2)
+        cfg = replace(cfg, site=SiteConfig(num_sites=1))
+        ps = ParameterServer(cfg)
+        site = Site(to_dict(cfg), folder, ps.address, world=world)
+        try:
+            assert site.wait(timeout=300) == [0] * world, site.output()
+        finally:
+            site.close()
+            ps.stop()
+        rows = read_jsonl(folder / "run" / "metrics" / "local-0.metrics.jsonl")
+        runs[world] = [r["train/loss"] for r in rows if "train/loss" in r]
+        tensors, _ = latest(folder, "local-0")
+        runs[world] += [float(np.abs(tensors["model/blocks.1.attn.proj.lora_b"]).sum())]  # the private adapter
+    assert len(runs[2]) == 3 and runs[2][-1] > 0
+    np.testing.assert_allclose(runs[2], runs[1], rtol=2e-3)

@@ -145,12 +145,14 @@ class SiteTrainer:
                 self.group.load_model(self.runtime.initial_arrays())
             return None
         tensors, meta, path = loaded
-        if meta.get("model", _shape(self.cfg)) != _shape(self.cfg):
-            ours, theirs = _shape(self.cfg), meta["model"]
+        theirs = {"paradigm": "identity", **meta.get("model", _shape(self.cfg))}  # older checkpoints: pretraining
+        if theirs != _shape(self.cfg):
+            ours = _shape(self.cfg)
             diff = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+            key = diff[0] if diff[0] == "paradigm" else f"model.{diff[0]}"
             raise CheckpointError(
-                f"checkpoint {path} is of another model (model.{diff[0]}={theirs.get(diff[0])!r}, this run has "
-                f"{ours.get(diff[0])!r}): use its model config, or move {self.store.directory} away to start afresh"
+                f"checkpoint {path} is of another model ({key}={theirs.get(diff[0])!r}, this run has "
+                f"{ours.get(diff[0])!r}): use its config, or move {self.store.directory} away to start afresh"
             )
         self._disk_model = {k[6:]: v for k, v in tensors.items() if k.startswith("model/")}
         self.group.load_model(self._disk_model)
@@ -541,8 +543,10 @@ class SiteTrainer:
 
 
 def _shape(cfg: RunConfig) -> dict[str, Any]:
-    """The model config a checkpoint must match (its name and initial weights do not matter)."""
-    return {k: v for k, v in to_dict(cfg.model).items() if k not in ("name", "init_from")}
+    """The model config a checkpoint must match (its name and initial weights do not matter), and the paradigm
+    (which adds its adapters to the model)."""
+    shape = {k: v for k, v in to_dict(cfg.model).items() if k not in ("name", "init_from")}
+    return {**shape, "paradigm": cfg.paradigm.describe()}
 
 
 def _exit_for(signum: int) -> None:
