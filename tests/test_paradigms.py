@@ -257,3 +257,36 @@ def test_a_two_rank_fsdp2_hybrid_site_trains_like_one_process(tmp_path: Path, sh
         runs[world] += [float(np.abs(tensors["model/blocks.1.attn.proj.lora_b"]).sum())]  # the private adapter
     assert len(runs[2]) == 3 and runs[2][-1] > 0
     np.testing.assert_allclose(runs[2], runs[1], rtol=2e-3)
+
+
+def test_a_ps_snapshot_of_another_paradigm_is_refused(tmp_path: Path) -> None:
+    cfg = replace(RunConfig(), ps=ps_config(state_dir=str(tmp_path)))
+    ps = ParameterServer(cfg)
+    try:
+        with PSClient(cfg.ps, ps.address) as client:
+            client.connect()
+            session = client.join(m.JoinRequest("s")).session_id
+            payload = codec.encode({"w": np.ones(4, np.float32)}, CodecConfig(name="fp32"))
+            header = m.PushHeader(session, 0, 0, 0, "fp32", len(payload), digest(payload), "i", init=True)
+            assert client.push_delta(header, payload).accepted
+    finally:
+        ps.stop()
+    lora = replace(cfg, paradigm=ParadigmConfig(name="lora"))
+    with pytest.raises(CheckpointError, match=r"paradigm identity, this PS runs lora\(rank=4"):
+        ParameterServer(lora)
+
+
+def test_zo_keeps_an_unfinished_round_across_a_checkpoint() -> None:
+    cfg = ParadigmConfig(name="zo", seed=3)
+    model = build_model(MODEL, seed=0)
+    first = site_paradigm(cfg, 4)
+    first.prepare(model)
+    first.begin_round(version=5, seed=11, resumed_steps=0)
+    x = torch.randint(0, MODEL.vocab_size, (2, 16))
+    first.step(model, lambda a, b: model(a, b)[1], x, x)  # type: ignore[return-value, misc]
+    again = site_paradigm(cfg, 4)
+    again.load_state(first.state())
+    base = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    assert np.array_equal(again.wire_update(base, base)[ZO_COEF], first.wire_update(base, base)[ZO_COEF])
+    spec = {k: v.shape for k, v in base.items()}
+    assert again.wire_update(base, base)[ZO_CHECK][0] == np.float32(direction_check(11, 5, spec))

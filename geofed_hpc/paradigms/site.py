@@ -167,11 +167,18 @@ class ZerothOrderSite(SiteParadigm):
         return {ZO_COEF: coefs, ZO_CHECK: np.array([direction_check(self.seed, self.version, spec)], np.float32)}
 
     def state(self) -> Arrays:
-        return {STATE_PREFIX + ZO_COEF: np.asarray(self.coefs, np.float32)}
+        """The round's coefficients so far and the (version, seed) their directions came from."""
+        return {
+            STATE_PREFIX + ZO_COEF: np.asarray(self.coefs, np.float32),
+            STATE_PREFIX + "zo.round": np.array([self.version, self.seed], np.int64),
+        }
 
     def load_state(self, tensors: Mapping[str, np.ndarray]) -> None:
-        coefs = tensors.get(STATE_PREFIX + ZO_COEF)
+        coefs, where = tensors.get(STATE_PREFIX + ZO_COEF), tensors.get(STATE_PREFIX + "zo.round")
         self.coefs = [float(c) for c in coefs] if coefs is not None else []
+        if where is not None:
+            self.version, self.seed = int(where[0]), int(where[1])
+            self.zo.seed = self.seed
 
 
 def site_paradigm(cfg: ParadigmConfig, steps: int, seed: int | None = None) -> SiteParadigm:

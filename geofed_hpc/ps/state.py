@@ -118,6 +118,12 @@ class GlobalState:
         if loaded is None:
             return
         state, path = loaded
+        theirs = state.settings.get("paradigm", "identity")
+        if theirs != self.settings.paradigm:
+            raise CheckpointError(
+                f"the snapshot {path} holds a global model of paradigm {theirs}, this PS runs {self.settings.paradigm}: "
+                "start it with the snapshot's paradigm, or use another ps.state_dir"
+            )
         self._adopt(state.params, state.version)
         previous = state.settings.get("outer_optimizer")
         if previous == self.cfg.outer_optimizer:
@@ -159,7 +165,11 @@ class GlobalState:
             self.downlink.residual,
             self.sessions.to_json(),
             pushes[-PERSISTED_PUSH_IDS:],
-            {"aggregation": self.cfg.aggregation, "outer_optimizer": self.cfg.outer_optimizer},
+            {
+                "aggregation": self.cfg.aggregation,
+                "outer_optimizer": self.cfg.outer_optimizer,
+                "paradigm": self.settings.paradigm,
+            },
         )
         try:
             path = self._snapshots.save(state)
