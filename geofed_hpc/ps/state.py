@@ -121,8 +121,8 @@ class GlobalState:
         theirs = state.settings.get("paradigm", "identity")
         if theirs != self.settings.paradigm:
             raise CheckpointError(
-                f"the snapshot {path} holds a global model of paradigm {theirs}, this PS runs {self.settings.paradigm}: "
-                "start it with the snapshot's paradigm, or use another ps.state_dir"
+                f"the snapshot {path} holds a global model of paradigm {theirs}, this PS runs "
+                f"{self.settings.paradigm}: start it with the snapshot's paradigm, or use another ps.state_dir"
             )
         self._adopt(state.params, state.version)
         previous = state.settings.get("outer_optimizer")
