@@ -290,3 +290,26 @@ def test_zo_keeps_an_unfinished_round_across_a_checkpoint() -> None:
     assert np.array_equal(again.wire_update(base, base)[ZO_COEF], first.wire_update(base, base)[ZO_COEF])
     spec = {k: v.shape for k, v in base.items()}
     assert again.wire_update(base, base)[ZO_CHECK][0] == np.float32(direction_check(11, 5, spec))
+
+
+@pytest.mark.parametrize("paradigm", ["lora", "ravan", "hybrid_lora"])
+def test_the_global_model_merges_into_a_plain_model_with_the_same_outputs(paradigm: str) -> None:
+    cfg = ParadigmConfig(name=paradigm, **PARADIGMS[paradigm])
+    adapted, plain = build_model(MODEL, seed=0), build_model(MODEL, seed=1)
+    site = site_paradigm(cfg, 3)
+    site.prepare(adapted)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if ".lora_b" in name or ".ravan_h" in name:
+                p.normal_(0, 0.1)  # trained adapters
+    x = torch.randint(0, MODEL.vocab_size, (2, 16))
+    arrays = {n: p.detach().numpy().copy() for n, p in adapted.named_parameters()}
+    merged = site.exchange.merge(site.exchange.public(arrays))
+    plain.load_state_dict({k: torch.from_numpy(v) for k, v in merged.items()}, strict=False)
+    assert set(merged) == {n for n, _ in plain.named_parameters()}
+    if paradigm == "hybrid_lora":  # the private adapters are not in the global model: it is the base
+        site.set_phase(adapted, 0)
+        for name, p in adapted.named_parameters():
+            if ".lora_b" in name:
+                p.data.zero_()
+    torch.testing.assert_close(plain(x)[0], adapted(x)[0], rtol=1e-4, atol=1e-4)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -61,6 +62,19 @@ class Exchange:
         """The update to add to the global model at `version` (shaped `spec`) for an update as exchanged."""
         return update
 
+    def merge(self, params: Mapping[str, np.ndarray]) -> Params:
+        """theta of the plain model (no adapter tensors) from the global model, for export and evaluation."""
+        return dict(params)
+
+
+def _merged(params: Mapping[str, np.ndarray], leaves: tuple[str, ...], delta: Any) -> Params:
+    """Add delta(layer) to each adapted layer's `.weight` and drop the adapter tensors (names ending in leaves)."""
+    out = {k: v for k, v in params.items() if not _leaf(k).startswith(leaves)}
+    layers = sorted({k.rsplit(".", 1)[0] for k in params if _leaf(k).startswith(leaves)})
+    for layer in layers:
+        out[f"{layer}.weight"] = (params[f"{layer}.weight"] + delta(layer)).astype(np.float32)
+    return out
+
 
 class LoRA(Exchange):
     """FedIT: the adapters' A and B are exchanged (and averaged separately); the base weights are frozen."""
@@ -69,6 +83,10 @@ class LoRA(Exchange):
 
     def is_exchanged(self, name: str) -> bool:
         return _leaf(name) in LORA
+
+    def merge(self, params: Mapping[str, np.ndarray]) -> Params:
+        scale = np.float32(self.cfg.alpha / self.cfg.rank)
+        return _merged(params, LORA, lambda n: scale * (params[f"{n}.lora_b"] @ params[f"{n}.lora_a"]))
 
 
 class HybridLoRA(Exchange):
@@ -87,6 +105,17 @@ class Ravan(Exchange):
 
     def is_exchanged(self, name: str) -> bool:
         return _leaf(name).startswith(RAVAN_HEAD)
+
+    def merge(self, params: Mapping[str, np.ndarray]) -> Params:
+        scale = np.float32(self.cfg.alpha / self.cfg.rank)
+
+        def delta(n: str) -> np.ndarray:
+            heads = range(self.cfg.heads)
+            return scale * sum(
+                params[f"{n}.ravan_a{i}"] @ params[f"{n}.ravan_h{i}"] @ params[f"{n}.ravan_b{i}"] for i in heads
+            )
+
+        return _merged(params, (RAVAN_HEAD, *RAVAN_SHARED), delta)
 
 
 def directions(seed: int, version: int, step: int, spec: Spec) -> Iterable[tuple[str, np.ndarray]]:
