@@ -45,7 +45,7 @@ PARADIGMS: dict[str, dict[str, Any]] = {
     "lora": {"targets": ["attn.qkv", "attn.proj", "mlp.fc"], "rank": 2},
     "hybrid_lora": {"rank": 2, "base_steps": 2, "adapter_steps": 1},
     "ravan": {"targets": ["attn.qkv", "mlp.fc"], "heads": 2, "rank": 2},
-    "zo": {"zo_lr": 3e-5, "zo_eps": 1e-3},
+    "zo": {"zo_lr": 1e-3, "zo_eps": 1e-3},
 }
 LR = {"identity": 3e-3, "lora": 2e-2, "hybrid_lora": 3e-3, "ravan": 2e-2, "zo": 3e-3}
 
