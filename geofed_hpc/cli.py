@@ -52,6 +52,7 @@ PS_PROBE_TIMEOUT = timedelta(seconds=5)
 EXAMPLES = """examples:
   geofed-hpc launch site=local model=tiny             # local federation: PS + 2 sites on this machine
   geofed-hpc launch train.max_syncs=3 site.num_sites=3
+  geofed-hpc launch paradigm=lora paradigm.rank=8 data.source=squad.json   # federated LoRA on SQuAD-format QA
   geofed-hpc ps up ps=cloud ps.port=50051             # on the cloud VM
   geofed-hpc status ps.address=vm.example.org:50051
   geofed-hpc launch site=osc ps.address=vm.example.org:50051 --dry-run   # print the sbatch file only

@@ -457,6 +457,56 @@ class TrainConfig:
         _check(self.threads >= 1, "train.threads", "must be at least 1")
 
 
+PARADIGMS = ("identity", "lora", "hybrid_lora", "ravan", "zo")
+
+
+@dataclass
+class ParadigmConfig:
+    """The reparametrization phi(theta) that sites train and exchange (Algorithm 1): identity (pretraining),
+    lora (FedIT), hybrid_lora (base exchanged, private adapters), ravan (shared frozen A, B; heads H
+    exchanged), zo (zeroth-order: a seed from the PS, one scalar per step back)."""
+
+    name: str = "identity"
+    # lora / hybrid_lora / ravan: the nn.Linear layers to adapt, by name or dotted suffix (attn.qkv matches
+    # blocks.0.attn.qkv, blocks.1.attn.qkv, ...)
+    targets: list[str] = field(default_factory=lambda: ["attn.qkv", "attn.proj"])
+    rank: int = 4
+    alpha: float = 8.0
+    heads: int = 4  # ravan: heads H_i per layer
+    base_steps: int = 2  # hybrid_lora: steps on the base weights per round, then
+    adapter_steps: int = 2  # ... steps on the private adapters
+    seed: int = 0  # adapter init; zo: the PS's seed for the random directions
+    zo_eps: float = 1e-3  # zo: perturbation size of the two forward passes
+    zo_lr: float = 1e-4  # zo: step size along each direction
+
+    def __post_init__(self) -> None:
+        _one_of(self.name, PARADIGMS, "paradigm.name")
+        self.targets = [str(t) for t in self.targets]
+        if self.name in ("lora", "hybrid_lora", "ravan"):
+            _check(bool(self.targets), "paradigm.targets", "name at least one layer (e.g. [attn.qkv])")
+        _check(self.rank >= 1, "paradigm.rank", f"must be at least 1, got {self.rank}")
+        _check(self.alpha > 0, "paradigm.alpha", f"must be positive, got {self.alpha}")
+        _check(self.heads >= 1, "paradigm.heads", f"must be at least 1, got {self.heads}")
+        for key in ("base_steps", "adapter_steps"):
+            _check(getattr(self, key) >= 0, f"paradigm.{key}", f"must be 0 or more, got {getattr(self, key)}")
+        _check(self.base_steps + self.adapter_steps >= 1, "paradigm.base_steps", "base + adapter steps must be >= 1")
+        _check(self.zo_eps > 0, "paradigm.zo_eps", f"must be positive, got {self.zo_eps}")
+        _check(self.zo_lr > 0, "paradigm.zo_lr", f"must be positive, got {self.zo_lr}")
+
+    def describe(self) -> str:
+        """The paradigm and the settings every replica must share, as one line (compared at Join)."""
+        targets = "+".join(self.targets)
+        if self.name == "lora":
+            return f"lora(rank={self.rank}, alpha={self.alpha:g}, targets={targets})"
+        if self.name == "hybrid_lora":
+            return f"hybrid_lora(rank={self.rank}, alpha={self.alpha:g}, targets={targets})"
+        if self.name == "ravan":
+            return f"ravan(heads={self.heads}, rank={self.rank}, alpha={self.alpha:g}, targets={targets})"
+        if self.name == "zo":
+            return f"zo(eps={self.zo_eps:g}, lr={self.zo_lr:g})"
+        return "identity"
+
+
 @dataclass
 class RunConfig:
     """Everything one `geofed-hpc` command needs."""
@@ -471,9 +521,21 @@ class RunConfig:
     codec: CodecConfig = field(default_factory=CodecConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    paradigm: ParadigmConfig = field(default_factory=ParadigmConfig)
 
     def __post_init__(self) -> None:
         _one_of(self.wandb_mode, ("offline", "online", "disabled"), "wandb_mode")
+        if self.paradigm.name == "zo":
+            _check(
+                self.train.max_local_steps >= 1,
+                "train.max_local_steps",
+                "paradigm=zo sends one scalar per step: set train.max_local_steps (the steps per round), e.g. 8",
+            )
+            _check(
+                self.ps.aggregation == "sync",
+                "ps.aggregation",
+                "paradigm=zo draws each round's directions from the global version: use ps.aggregation=sync",
+            )
         _check(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", self.federation)), "federation", "use letters, digits, _ . -")
 
 

@@ -43,6 +43,12 @@ class StaleError(GeofedError):
     grpc_code = "FAILED_PRECONDITION"
 
 
+class MismatchError(GeofedError):
+    """A site and the parameter server are configured differently where they must agree (the paradigm)."""
+
+    grpc_code = "FAILED_PRECONDITION"
+
+
 class UnavailableError(GeofedError):
     """The parameter server could not be reached, or a port could not be bound."""
 

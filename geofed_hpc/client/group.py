@@ -21,7 +21,9 @@ from geofed_hpc.client.fsdp import (
 )
 from geofed_hpc.client.steps import Stepper
 from geofed_hpc.data import BatchSampler
+from geofed_hpc.data.squad import QAExample, QASampler, greedy_answers, score
 from geofed_hpc.errors import ProtocolError
+from geofed_hpc.paradigms.site import SiteParadigm
 
 Arrays = dict[str, np.ndarray]
 _ARGS = 4
@@ -37,6 +39,7 @@ class Cmd(IntEnum):
     LOAD_OPTIM = 6
     SET_RNG = 7
     SET_SCALER = 8
+    QA = 9
 
 
 class SiteGroup:
@@ -49,12 +52,16 @@ class SiteGroup:
     def __init__(
         self,
         stepper: Stepper,
-        sampler: BatchSampler,
+        sampler: BatchSampler | QASampler,
         val: list[tuple[torch.Tensor, torch.Tensor]],
         rank: int,
         world_size: int,
+        paradigm: SiteParadigm | None = None,
+        questions: list[QAExample] | None = None,
     ) -> None:
+        self.questions = questions or []
         self.stepper, self.sampler, self.val = stepper, sampler, val
+        self.paradigm = paradigm
         self.model: nn.Module = stepper.model
         self.optimizer = stepper.optimizer
         self.rank, self.world_size = rank, world_size
@@ -99,16 +106,36 @@ class SiteGroup:
         return int(flag.item())
 
     # ------------------------------------------------------------------ rank 0 (and one-process) API
-    def step(self) -> tuple[float, int, int]:
-        """One local step on the next site batch: (site-mean loss, tokens, largest stop signal any rank got)."""
-        with self._collective(Cmd.STEP, self.sampler.draws):
+    def step(self, phase: int = 0) -> tuple[float, int, int]:
+        """One local step on the next site batch, training the paradigm's `phase` parameters: (site-mean loss,
+        tokens, largest stop signal any rank got)."""
+        with self._collective(Cmd.STEP, self.sampler.draws, phase):
             x, y = self.sampler.next_batch()
-            loss = self.stepper.step(x, y)
+            loss = self._step(x, y, phase)
             return loss, x.numel(), self._any_signal()
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor, phase: int) -> float:
+        p = self.paradigm
+        if p is None:
+            return self.stepper.step(x, y)
+        p.set_phase(self.model, phase)
+        if p.custom_step:  # one process (build_runtime refuses more): the paradigm's own step, no optimizer
+            return p.step(self.model, self.stepper.loss, x, y)
+        return self.stepper.step(x, y)
 
     def evaluate(self) -> float:
         with self._collective(Cmd.EVAL):
             return self.stepper.evaluate(self.val)
+
+    def qa_metrics(self) -> dict[str, float]:
+        """Exact match and F1 of greedy answers to the validation questions ({} for a language-model task)."""
+        if not self.questions:
+            return {}
+        with self._collective(Cmd.QA):
+            return score(self._answers(), self.questions)
+
+    def _answers(self) -> list[str]:
+        return greedy_answers(self.model, self.questions, self.sampler.context, self.stepper.device)
 
     def model_arrays(self) -> Arrays:
         """Full float32 parameters by name (tied once), on rank 0. In a one-process site on CPU these are views of
@@ -217,10 +244,12 @@ class SiteGroup:
                 return int(args[0])
             if cmd == Cmd.STEP:
                 self.sampler.draws = int(args[0])
-                self.stepper.step(*self.sampler.next_batch())
+                self._step(*self.sampler.next_batch(), int(args[1]))
                 self._any_signal()
             elif cmd == Cmd.EVAL:
                 self.stepper.evaluate(self.val)
+            elif cmd == Cmd.QA:
+                self._answers()
             elif cmd == Cmd.GATHER_MODEL:
                 full_state(self.model)
             elif cmd == Cmd.GATHER_OPTIM:

@@ -21,8 +21,11 @@ from geofed_hpc.config import RunConfig
 from geofed_hpc.data import BatchSampler, eval_batches
 from geofed_hpc.data.corpus import default_cache_dir
 from geofed_hpc.data.shards import site_tokens
+from geofed_hpc.data.squad import QAExample, QASampler, is_squad, qa_eval_batches, split_examples
+from geofed_hpc.errors import ConfigError
 from geofed_hpc.log import logger
 from geofed_hpc.models import build_model, num_params
+from geofed_hpc.paradigms.site import SiteParadigm, site_paradigm
 
 # Followers wait for rank 0 through a push, the pull's wait for the round and a checkpoint write.
 COLLECTIVE_SLACK = timedelta(minutes=5)
@@ -35,15 +38,17 @@ class SiteRuntime:
     precision: Precision
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    sampler: BatchSampler
+    sampler: BatchSampler | QASampler
     group: SiteGroup
     micro_batch: int
     initialized: bool
     cfg: RunConfig
+    paradigm: SiteParadigm
 
     def initial_arrays(self) -> dict[str, np.ndarray]:
         """Freshly initialised weights (for a model built uninitialised whose checkpoint then failed to load)."""
         model = build_model(self.cfg.model, seed=self.cfg.train.seed)
+        self.paradigm.prepare(model)
         return {n: p.detach().numpy() for n, p in model.named_parameters()}
 
 
@@ -64,19 +69,21 @@ def build_runtime(cfg: RunConfig, site_index: int, init: bool = True) -> SiteRun
     init_distributed(ranks, device, collective_timeout(cfg))
     init = bool(_broadcast_int(int(init), device, ranks.world_size > 1))
     precision = choose_precision(str(getattr(cfg.train, "precision", "auto")), device)
-    shard = cfg.site.first_shard + site_index
-    train, val = site_tokens(cfg.data, cfg.model.vocab_size, shard, cfg.site.shards)
-    sampler = BatchSampler(train, cfg.train.batch_size, cfg.model.context, seed=cfg.train.seed * 1000 + shard)
-    val_batches = eval_batches(val, cfg.train.batch_size, cfg.model.context, cfg.data.val_batches)
+    sampler, val_batches, questions = _data(cfg, site_index)
     model = build_model(cfg.model, seed=cfg.train.seed, init=init)
+    paradigm = site_paradigm(cfg.paradigm, cfg.train.max_local_steps)
+    paradigm.prepare(model)  # adapters and frozen weights, before sharding and the optimizer
     n_params = num_params(model)
     sharded = ranks.world_size > 1
+    if sharded and paradigm.custom_step:
+        raise ConfigError(f"paradigm={cfg.paradigm.name} runs one process per site: set site.tasks_per_node=1")
     model = shard_model(model, precision) if sharded else model.to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
+    trainable = paradigm.trainable(model) or list(model.parameters())
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     micro = _micro_batch(cfg, model, precision, ranks, device, n_params, sharded)
     plan = StepPlan(cfg.train.batch_size, ranks.world_size, ranks.rank, micro)
     stepper = Stepper(model, optimizer, precision, plan, device, sharded)
-    group = SiteGroup(stepper, sampler, val_batches, ranks.rank, ranks.world_size)
+    group = SiteGroup(stepper, sampler, val_batches, ranks.rank, ranks.world_size, paradigm, questions)
     accumulation = len(plan.micro)
     logger.info(
         "rank %d/%d on %s: %s, %.1fM parameters%s, micro-batch %d x %d accumulation (site batch %d x %d tokens)",
@@ -91,7 +98,25 @@ def build_runtime(cfg: RunConfig, site_index: int, init: bool = True) -> SiteRun
         cfg.train.batch_size,
         cfg.model.context,
     )
-    return SiteRuntime(ranks, device, precision, model, optimizer, sampler, group, micro, init, cfg)
+    return SiteRuntime(ranks, device, precision, model, optimizer, sampler, group, micro, init, cfg, paradigm)
+
+
+def _data(
+    cfg: RunConfig, site_index: int
+) -> tuple[BatchSampler | QASampler, list[tuple[torch.Tensor, torch.Tensor]], list[QAExample]]:
+    """This site's sampler, the validation batches and (question answering) the validation questions; the site
+    trains data shard site.first_shard + site_index of site.shards."""
+    shard, shards = cfg.site.first_shard + site_index, cfg.site.shards
+    seed, batch, context = cfg.train.seed * 1000 + shard, cfg.train.batch_size, cfg.model.context
+    if is_squad(cfg.data.source):  # SQuAD v1.1 JSON: answer-only loss, exact match and F1 at each evaluation
+        train_qa, val_qa = split_examples(cfg.data, shard, shards)
+        return (
+            QASampler(train_qa, batch, context, seed),
+            qa_eval_batches(val_qa, batch, context, cfg.data.val_batches),
+            val_qa,
+        )
+    train, val = site_tokens(cfg.data, cfg.model.vocab_size, shard, shards)
+    return BatchSampler(train, batch, context, seed=seed), eval_batches(val, batch, context, cfg.data.val_batches), []
 
 
 def _micro_batch(

@@ -88,6 +88,12 @@ class Stepper:
             raise GeofedError("training loss became NaN: lower train.lr or use train.precision=fp32")
         return mean
 
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The mean loss of one batch on this (one-process) model, in its precision, without a backward."""
+        with self._context():
+            _, loss = self.model(x.to(self.device), y.to(self.device))
+        return loss
+
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Mean loss over fixed batches (each split over ranks like a training batch)."""

@@ -22,7 +22,7 @@ from geofed_hpc import codec
 from geofed_hpc.ckpt import CheckpointStore
 from geofed_hpc.ckpt.best import BestCheckpoints
 from geofed_hpc.ckpt.secret import read_secret, write_secret
-from geofed_hpc.client.params import Arrays, delta
+from geofed_hpc.client.params import Arrays
 from geofed_hpc.client.resilience import Deferred, HeartbeatClock, RidesOutages, push_budget
 from geofed_hpc.client.runtime import build_runtime
 from geofed_hpc.client.telemetry import RttMeter, SyncTimer, gpu_metrics, preemptions, rss_gb
@@ -38,22 +38,26 @@ from geofed_hpc.errors import (
 )
 from geofed_hpc.log import logger
 from geofed_hpc.metrics import Recorder
+from geofed_hpc.paradigms import Exchange
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 
 EXTRA_PULL_WAIT = timedelta(seconds=30)
 
 
-def apply_updates(base: Arrays, header: m.ModelHeader, payload: bytes) -> Arrays:
+def apply_updates(base: Arrays, header: m.ModelHeader, payload: bytes, exchange: Exchange | None = None) -> Arrays:
     """Add the PS's encoded global updates (header.segments, in version order) to `base` in place, the same
-    float32 adds the PS made, so `base` stays bit-identical to the global model."""
+    float32 adds the PS made (each update expanded by the paradigm as the PS does), so `base` stays
+    bit-identical to the global model."""
     if sum(header.segments) != len(payload):
         raise ProtocolError(f"update segments add up to {sum(header.segments)} bytes, the payload has {len(payload)}")
-    expected = {k: (tuple(v.shape), "float32") for k, v in base.items()}
+    exchange = exchange or Exchange()
+    shapes = {k: tuple(v.shape) for k, v in base.items()}
+    expected = {k: (s, "float32") for k, s in exchange.wire_spec(shapes).items()}
     view, pos = memoryview(payload), 0
-    for size in header.segments:
+    for i, size in enumerate(header.segments):
         update = codec.decode(view[pos : pos + size], expected=expected)  # type: ignore[arg-type]
-        for k, v in update.items():
+        for k, v in exchange.expand(update, header.base_version + i, shapes).items():
             base[k] += v
         pos += size
     return base
@@ -87,8 +91,12 @@ class SiteTrainer(RidesOutages):
         self.runtime = build_runtime(cfg, site_index, init=not resuming)  # resuming: weights come from disk
         self.group, self.rank = self.runtime.group, self.runtime.ranks.rank
         self.model, self.optimizer, self.sampler = self.runtime.model, self.runtime.optimizer, self.runtime.sampler
+        self.paradigm = self.runtime.paradigm
+        self.exchange = self.paradigm.exchange
+        self.private = [n for n, _ in self.model.named_parameters() if self.exchange.is_private(n)]
         self.best = BestCheckpoints(self.dir / "ckpt" / "best", keep=cfg.train.keep_best)
         self.val_loss = math.nan
+        self.qa: dict[str, float] = {}
         self._disk_model: Arrays = {}
         self.store = CheckpointStore(self.dir / "ckpt", prefix="site", keep=2)
         self.base: Arrays = {}
@@ -130,6 +138,7 @@ class SiteTrainer(RidesOutages):
             tensors.update({f"base/{k}": v for k, v in self.base.items()})
             pending = {**pending, "deferred": self.deferred.to_meta()}
         tensors.update(self._codec_state()[0].state())  # residual/<param>: error feedback survives a requeue
+        tensors.update(self.paradigm.state())  # the unpushed part of a round the paradigm keeps (zo's coefficients)
         syncs = self._syncs_after_push if pushed else self.syncs
         meta = {
             "version": self.version,
@@ -159,12 +168,14 @@ class SiteTrainer(RidesOutages):
                 self.group.load_model(self.runtime.initial_arrays())
             return None
         tensors, meta, path = loaded
-        if meta.get("model", _shape(self.cfg)) != _shape(self.cfg):
-            ours, theirs = _shape(self.cfg), meta["model"]
+        theirs = {"paradigm": "identity", **meta.get("model", _shape(self.cfg))}  # older checkpoints: pretraining
+        if theirs != _shape(self.cfg):
+            ours = _shape(self.cfg)
             diff = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+            key = diff[0] if diff[0] == "paradigm" else f"model.{diff[0]}"
             raise CheckpointError(
-                f"checkpoint {path} is of another model (model.{diff[0]}={theirs.get(diff[0])!r}, this run has "
-                f"{ours.get(diff[0])!r}): use its model config, or move {self.store.directory} away to start afresh"
+                f"checkpoint {path} is of another model ({key}={theirs.get(diff[0])!r}, this run has "
+                f"{ours.get(diff[0])!r}): use its config, or move {self.store.directory} away to start afresh"
             )
         self._disk_model = {k[6:]: v for k, v in tensors.items() if k.startswith("model/")}
         self.group.load_model(self._disk_model)
@@ -174,6 +185,7 @@ class SiteTrainer(RidesOutages):
         self.base = {k[5:]: v for k, v in tensors.items() if k.startswith("base/")}
         self.base_global = bool(meta.get("base_global", True))
         self._codec_state()[0].load(tensors)
+        self.paradigm.load_state(tensors)
         self.sampler.load_state_dict(meta["sampler"])
         self.syncs, self.tokens_seen = int(meta["syncs"]), int(meta["tokens_seen"])
         self.contribution_total = int(meta.get("contribution_total", 0))
@@ -288,13 +300,15 @@ class SiteTrainer(RidesOutages):
 
     # ---------------------------------------------------------------- protocol steps
     def _join(self, client: PSClient, meta: dict[str, Any] | None) -> m.JoinReply:
+        paradigm = self.cfg.paradigm.describe()  # the PS refuses a site whose paradigm differs from its own
         if meta and meta.get("session_id"):
             try:
                 token = read_secret(self.dir / "rejoin.json").get("rejoin_token") or meta.get("rejoin_token", "")
-                return client.join(m.JoinRequest(self.name, token, resume_session=meta["session_id"]))
+                request = m.JoinRequest(self.name, token, resume_session=meta["session_id"], paradigm=paradigm)
+                return client.join(request)
             except AuthError as exc:
                 logger.info("%s: rejoin refused (%s); enrolling again", self.name, exc)
-        return client.join(m.JoinRequest(self.name, self.cfg.site.token))
+        return client.join(m.JoinRequest(self.name, self.cfg.site.token, paradigm=paradigm))
 
     def _pull(self, client: PSClient, min_version: int, wait: timedelta) -> None:
         """Take the global model: only the PS's encoded updates since our version when it still keeps them
@@ -309,7 +323,7 @@ class SiteTrainer(RidesOutages):
             try:
                 if header.base_version != have:
                     raise ProtocolError(f"updates start at version {header.base_version}, we hold {have}")
-                arrays = apply_updates(self.base, header, payload)
+                arrays = apply_updates(self.base, header, payload, self.exchange)
             except (CodecError, ProtocolError) as exc:
                 logger.warning("%s: cannot apply the global updates (%s); pulling the full model", self.name, exc)
                 self.base = {}
@@ -319,13 +333,20 @@ class SiteTrainer(RidesOutages):
             arrays = codec.decode(payload)
             if have is not None and header.version < have:
                 logger.warning("%s: the PS is back at version %d (we held %d)", self.name, header.version, have)
-        self.group.load_model(arrays)
+        self.group.load_model(self._with_private(arrays))
         self.base, self.version, self.base_global = arrays, header.version, True
+
+    def _with_private(self, arrays: Arrays) -> Arrays:
+        """The global model plus this site's private tensors (hybrid_lora's adapters), which it never sends."""
+        if not self.private:
+            return arrays
+        local = self.group.model_arrays()
+        return {**{k: np.array(local[k], copy=True) for k in self.private}, **arrays}
 
     def _seed(self, client: PSClient, meta: dict[str, Any] | None) -> None:
         """The PS holds no model: upload ours (bootstrap), or re-seed it from this site's checkpoint."""
         version = int(meta["version"]) if meta else 0
-        arrays = self.base if self.base else self.group.model_arrays()
+        arrays = self.base if self.base else self.exchange.public(self.group.model_arrays())
         if version > 0:
             logger.warning("%s: the PS has no model; re-seeding it from our checkpoint (v%d)", self.name, version)
             self._event("reseed", version=version)
@@ -339,6 +360,7 @@ class SiteTrainer(RidesOutages):
 
     def evaluate(self) -> float:
         self.val_loss = self.group.evaluate()
+        self.qa = self.group.qa_metrics()  # val/exact_match, val/f1 for a question-answering task
         return self.val_loss
 
     def _train_interval(self, settings: m.RunSettings) -> tuple[int, float]:
@@ -353,8 +375,10 @@ class SiteTrainer(RidesOutages):
         self.heartbeats.start()
         eval_every = self.cfg.train.eval_every
         self.phase = "train"
+        self.paradigm.begin_round(self.version, settings.paradigm_seed, steps)
         while True:
-            loss, tokens, signalled = self.group.step()  # every rank: its slice, micro-batches, one optimizer step
+            # every rank: its slice, micro-batches, one optimizer step on the paradigm's parameters of this step
+            loss, tokens, signalled = self.group.step(self.paradigm.phase(steps))
             if signalled and self.stop_signal is None:
                 self.stop_signal = signalled  # another rank of this site was signalled: stop together
             steps += 1
@@ -396,7 +420,7 @@ class SiteTrainer(RidesOutages):
     def _push(self, client: PSClient, settings: m.RunSettings, steps: int, loss: float) -> tuple[int, int]:
         """Push local - base plus the residual the codec lost last time (error feedback); codec=adaptive picks
         the codec from the measured push throughput."""
-        d = delta(self.group.model_arrays(), self.base)
+        d = self.paradigm.wire_update(self.group.model_arrays(), self.base)  # only the exchanged tensors
         raw = sum(v.nbytes for v in d.values())
         feedback, link = self._codec_state()
         name = settings.codec
@@ -405,7 +429,10 @@ class SiteTrainer(RidesOutages):
         c = self.cfg.codec
         cfg = CodecConfig(name, settings.block_size, c.zstd_level, stochastic_rounding=c.stochastic_rounding)
         t_enc = time.monotonic()
-        payload, residual = feedback.encode(d, cfg)
+        if self.paradigm.error_feedback:
+            payload, residual = feedback.encode(d, cfg)
+        else:
+            payload, residual = codec.encode(d, cfg), feedback.residual
         self.timer.encode_s += time.monotonic() - t_enc
         header = m.PushHeader(
             self.session.session_id,
@@ -486,7 +513,7 @@ class SiteTrainer(RidesOutages):
         there, else pull only what is newer (the PS's updates since that version, when it keeps them)."""
         if not meta or meta.get("pending") or not meta.get("global_model") or not self._disk_model:
             return False
-        self.base, self.version = self._disk_model, int(meta["version"])
+        self.base, self.version = self.exchange.public(self._disk_model), int(meta["version"])
         return self.version == self.session.version
 
     def _keep_token(self) -> None:
@@ -532,7 +559,7 @@ class SiteTrainer(RidesOutages):
             )
             self._event("ready", source=resume, version=self.version, seconds=round(time.time() - self.started, 3))
             if self.syncs == 0:
-                rec.log({"val/loss": self.evaluate(), "sync/version": self.version, "sync/index": 0})
+                rec.log({"val/loss": self.evaluate(), **self.qa, "sync/version": self.version, "sync/index": 0})
                 if self.val_loss > 0:  # the PS's ps/global_val_loss starts at version 0 too
                     sid = self.session.session_id
                     try:
@@ -576,6 +603,7 @@ class SiteTrainer(RidesOutages):
                         "sync/local_steps": steps,
                         "train/loss": train_loss,
                         "val/loss": val_loss,
+                        **self.qa,
                         "train/tokens": self.tokens_seen,
                         "train/tokens_per_s": steps * self.sampler_tokens() / max(train_s, 1e-9),
                         "sync/bytes_sent": sent,
@@ -597,8 +625,10 @@ class SiteTrainer(RidesOutages):
 
 
 def _shape(cfg: RunConfig) -> dict[str, Any]:
-    """The model config a checkpoint must match (its name and initial weights do not matter)."""
-    return {k: v for k, v in to_dict(cfg.model).items() if k not in ("name", "init_from")}
+    """The model config a checkpoint must match (its name and initial weights do not matter), and the paradigm
+    (which adds its adapters to the model)."""
+    shape = {k: v for k, v in to_dict(cfg.model).items() if k not in ("name", "init_from")}
+    return {**shape, "paradigm": cfg.paradigm.describe()}
 
 
 def _exit_for(signum: int) -> None:

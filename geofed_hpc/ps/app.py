@@ -14,6 +14,7 @@ from geofed_hpc.config import RunConfig, to_dict
 from geofed_hpc.log import logger
 from geofed_hpc.metrics.prometheus import PrometheusExporter
 from geofed_hpc.metrics.recorder import Recorder
+from geofed_hpc.paradigms import exchange_for
 from geofed_hpc.ps.servicer import ParameterServerLogic
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.server import start_server
@@ -42,9 +43,10 @@ def run_settings(cfg: RunConfig) -> m.RunSettings:
         codec=cfg.codec.name,
         sync_interval_s=cfg.train.sync_interval.total_seconds(),
         max_local_steps=cfg.train.max_local_steps,
-        paradigm="pretrain",
+        paradigm=cfg.paradigm.describe(),
         aggregation=cfg.ps.aggregation,
         block_size=cfg.codec.block_size,
+        paradigm_seed=cfg.paradigm.seed,
     )
 
 
@@ -54,7 +56,8 @@ class ParameterServer:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         limit_malloc_arenas()
-        self.logic = ParameterServerLogic(cfg.ps, run_settings(cfg))
+        exchange = exchange_for(cfg.paradigm, cfg.train.max_local_steps)
+        self.logic = ParameterServerLogic(cfg.ps, run_settings(cfg), exchange=exchange)
         self.exporter: PrometheusExporter | None = None
         self.recorder: Recorder | None = None
         self._logged: tuple[int, float] | None = None

@@ -10,7 +10,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from geofed_hpc import codec
-from geofed_hpc.errors import CodecError, GeofedError, ProtocolError, StaleError, UnavailableError
+from geofed_hpc.errors import (
+    CodecError,
+    GeofedError,
+    MismatchError,
+    ProtocolError,
+    StaleError,
+    UnavailableError,
+)
 from geofed_hpc.log import logger
 from geofed_hpc.ps.aggregate import Params, staleness_discount
 from geofed_hpc.ps.sessions import Session
@@ -31,6 +38,12 @@ class ParameterServerLogic(GlobalState):
 
     # ---------------------------------------------------------------- RPCs
     def join(self, request: m.JoinRequest) -> m.JoinReply:
+        theirs, ours = request.paradigm or "identity", self.settings.paradigm
+        if theirs != ours:
+            raise MismatchError(
+                f"site {request.site} is configured with paradigm {theirs}, this parameter server with {ours}: "
+                "give the site the PS's paradigm settings (or restart the PS with the site's)"
+            )
         with self._cond:
             session_id, rejoin = self.sessions.join(request)
             logger.info("site %s joined (session %s..., version %d)", request.site, session_id[:8], self.version)
@@ -218,6 +231,8 @@ class ParameterServerLogic(GlobalState):
 
     def _apply_delta(self, session: Session, header: m.PushHeader, payload: bytes) -> m.PushReply:
         delta = self._decode(payload, header, self._spec)
+        with self._cond:
+            self.exchange.check(delta, self.version, self._shapes)  # before folding: it cannot be undone
         nbytes = len(payload)
         del payload
         prepared = self.rounds.prepare(delta, header.session_id, header.local_steps, header.tokens)

@@ -17,6 +17,7 @@ from geofed_hpc import codec
 from geofed_hpc.config import CodecConfig, PSConfig
 from geofed_hpc.errors import CheckpointError, GeofedError
 from geofed_hpc.log import logger
+from geofed_hpc.paradigms.exchange import Exchange
 from geofed_hpc.ps.aggregate import OuterOptimizer, Params, add_update
 from geofed_hpc.ps.downlink import Downlink
 from geofed_hpc.ps.persist import PSState, Snapshots, load_init
@@ -61,9 +62,18 @@ class GlobalState:
     """Everything the PS holds, and the transitions between versions; callers hold `_cond` around each method
     whose docstring says so. ParameterServerLogic (servicer.py) adds the RPCs on top."""
 
-    def __init__(self, cfg: PSConfig, settings: m.RunSettings, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cfg: PSConfig,
+        settings: m.RunSettings,
+        clock: Callable[[], float] = time.monotonic,
+        exchange: Exchange | None = None,
+    ) -> None:
         self.cfg = cfg
         self.settings = settings
+        # the paradigm's view of the model: what a delta carries and how an update lands on the global model
+        self.exchange = exchange or Exchange()
+        settings.paradigm = self.exchange.describe()
         settings.aggregation = cfg.aggregation
         self._clock = clock
         self._started = clock()
@@ -75,7 +85,8 @@ class GlobalState:
         self._sending = threading.BoundedSemaphore(cfg.max_concurrent_downloads)
         self._decoders = ThreadPoolExecutor(cfg.decode_threads, thread_name_prefix="ps-decode")
         self.params: Params | None = None
-        self._spec: dict[str, tuple[tuple[int, ...], str]] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}  # the global model's
+        self._spec: dict[str, tuple[tuple[int, ...], str]] = {}  # what a delta carries
         self.version = 0
         tokens = TokenVerifier(tokens_path(cfg.state_dir) if cfg.state_dir else None, cfg.enroll_token)
         idle_after = 3 * cfg.round_timeout.total_seconds()
@@ -114,7 +125,8 @@ class GlobalState:
     def _adopt(self, params: Params, version: int) -> None:
         """Take `params` as the model at `version` (hold the lock)."""
         self.params = params
-        self._spec = {k: (tuple(v.shape), "float32") for k, v in params.items()}
+        self._shapes = {k: tuple(v.shape) for k, v in params.items()}
+        self._spec = {k: (s, "float32") for k, s in self.exchange.wire_spec(self._shapes).items()}
         self.version = version
         self.rounds.clear()
         self._contributions = []
@@ -139,6 +151,12 @@ class GlobalState:
         if loaded is None:
             return
         state, path = loaded
+        theirs = state.settings.get("paradigm", "identity")
+        if theirs != self.settings.paradigm:
+            raise CheckpointError(
+                f"the snapshot {path} holds a global model of paradigm {theirs}, this PS runs "
+                f"{self.settings.paradigm}: start it with the snapshot's paradigm, or use another ps.state_dir"
+            )
         self._adopt(state.params, state.version)
         previous = state.settings.get("outer_optimizer")
         if previous == self.cfg.outer_optimizer:
@@ -180,7 +198,11 @@ class GlobalState:
             self.downlink.residual,
             self.sessions.to_json(),
             pushes[-PERSISTED_PUSH_IDS:],
-            {"aggregation": self.cfg.aggregation, "outer_optimizer": self.cfg.outer_optimizer},
+            {
+                "aggregation": self.cfg.aggregation,
+                "outer_optimizer": self.cfg.outer_optimizer,
+                "paradigm": self.settings.paradigm,
+            },
         )
         try:
             path = self._snapshots.save(state)
@@ -212,7 +234,7 @@ class GlobalState:
             logger.error("round at version %d discarded: %s", self.version, exc)
             return
         fault("ps.aggregate", str(self.version))
-        add_update(self.params, applied)
+        add_update(self.params, self.exchange.expand(applied, self.version, self._shapes))
         self.version += 1
         self._new_version_caches()
         self.applied.append(

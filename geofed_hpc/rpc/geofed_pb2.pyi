@@ -7,32 +7,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RunSettings(_message.Message):
-    __slots__ = ("codec", "sync_interval_s", "max_local_steps", "paradigm", "aggregation", "block_size")
+    __slots__ = ("codec", "sync_interval_s", "max_local_steps", "paradigm", "aggregation", "block_size", "paradigm_seed")
     CODEC_FIELD_NUMBER: _ClassVar[int]
     SYNC_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     MAX_LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     PARADIGM_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PARADIGM_SEED_FIELD_NUMBER: _ClassVar[int]
     codec: str
     sync_interval_s: float
     max_local_steps: int
     paradigm: str
     aggregation: str
     block_size: int
-    def __init__(self, codec: _Optional[str] = ..., sync_interval_s: _Optional[float] = ..., max_local_steps: _Optional[int] = ..., paradigm: _Optional[str] = ..., aggregation: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+    paradigm_seed: int
+    def __init__(self, codec: _Optional[str] = ..., sync_interval_s: _Optional[float] = ..., max_local_steps: _Optional[int] = ..., paradigm: _Optional[str] = ..., aggregation: _Optional[str] = ..., block_size: _Optional[int] = ..., paradigm_seed: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("site", "token", "client_version", "resume_session")
+    __slots__ = ("site", "token", "client_version", "resume_session", "paradigm")
     SITE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RESUME_SESSION_FIELD_NUMBER: _ClassVar[int]
+    PARADIGM_FIELD_NUMBER: _ClassVar[int]
     site: str
     token: str
     client_version: str
     resume_session: str
-    def __init__(self, site: _Optional[str] = ..., token: _Optional[str] = ..., client_version: _Optional[str] = ..., resume_session: _Optional[str] = ...) -> None: ...
+    paradigm: str
+    def __init__(self, site: _Optional[str] = ..., token: _Optional[str] = ..., client_version: _Optional[str] = ..., resume_session: _Optional[str] = ..., paradigm: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("session_id", "rejoin_token", "version", "initialized", "settings")

@@ -10,9 +10,10 @@ class RunSettings:
     codec: str = "int8"
     sync_interval_s: float = 30.0
     max_local_steps: int = 0
-    paradigm: str = "pretrain"
+    paradigm: str = "identity"
     aggregation: str = "sync"
     block_size: int = 1 << 16
+    paradigm_seed: int = 0
 
 
 @dataclass
@@ -21,6 +22,7 @@ class JoinRequest:
     token: str = ""
     client_version: str = ""
     resume_session: str = ""
+    paradigm: str = "identity"
 
 
 @dataclass

@@ -1,0 +1,117 @@
+"""Adapters added to a model's nn.Linear layers in place: LoRA (A, B) and RAVAN (shared A_i, B_i, heads H_i)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from geofed_hpc.config import ParadigmConfig
+from geofed_hpc.errors import ConfigError
+
+
+def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
+    return {name: mod for name, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+
+
+def _pattern_names(names: list[str]) -> list[str]:
+    """Layer names with their block index dropped (blocks.3.attn.qkv -> attn.qkv), for error messages."""
+    out = []
+    for name in names:
+        parts = name.split(".")
+        short = ".".join(parts[2:]) if len(parts) > 2 and parts[1].isdigit() else name
+        if short not in out:
+            out.append(short)
+    return out
+
+
+def select_targets(model: nn.Module, targets: list[str]) -> dict[str, nn.Linear]:
+    """The nn.Linear layers named by `targets` (a full name or a dotted suffix); every target must match."""
+    layers = linear_layers(model)
+    chosen: dict[str, nn.Linear] = {}
+    for target in targets:
+        hits = {n: m for n, m in layers.items() if n == target or n.endswith("." + target)}
+        if not hits:
+            raise ConfigError(
+                f"paradigm.targets: {target!r} matches no linear layer of this model; "
+                f"available: {', '.join(_pattern_names(list(layers)))}"
+            )
+        chosen.update(hits)
+    return chosen
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+def _check_rank(name: str, layer: nn.Linear, rank: int) -> None:
+    limit = min(layer.in_features, layer.out_features)
+    if rank > limit:
+        raise ConfigError(
+            f"paradigm.rank={rank} is larger than layer {name} ({layer.out_features} x {layer.in_features}) allows: "
+            f"use at most {limit}"
+        )
+
+
+def _param(layer: nn.Linear, shape: tuple[int, ...], fill: Any, trainable: bool) -> nn.Parameter:
+    weight = layer.weight
+    data = torch.empty(shape, dtype=torch.float32, device=weight.device)
+    if fill is None:
+        data.zero_()
+    else:
+        data.copy_(fill)
+    return nn.Parameter(data, requires_grad=trainable)
+
+
+def add_lora(model: nn.Module, cfg: ParadigmConfig) -> list[str]:
+    """y = W x + b + (alpha / rank) B A x on each target; A (rank x in) small random, B (out x rank) zero,
+    so the adapted model starts as the base. Returns the adapted layer names."""
+    chosen = select_targets(model, cfg.targets)
+    scale = cfg.alpha / cfg.rank
+    for name, layer in chosen.items():
+        _check_rank(name, layer, cfg.rank)
+        a = torch.randn(cfg.rank, layer.in_features, generator=_generator(cfg.seed, name)) / math.sqrt(
+            layer.in_features
+        )
+        layer.lora_a = _param(layer, (cfg.rank, layer.in_features), a, True)
+        layer.lora_b = _param(layer, (layer.out_features, cfg.rank), None, True)
+
+        def hook(mod: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor, s: float = scale) -> torch.Tensor:
+            a, b = mod.get_parameter("lora_a"), mod.get_parameter("lora_b")
+            return out + (args[0].to(a.dtype) @ a.t() @ b.t()).to(out.dtype) * s
+
+        layer.register_forward_hook(hook)
+    return list(chosen)
+
+
+def add_ravan(model: nn.Module, cfg: ParadigmConfig) -> list[str]:
+    """y = W x + b + (alpha / rank) sum_i A_i H_i B_i x on each target: A_i (out x rank) and B_i (rank x in)
+    frozen random, the heads H_i (rank x rank) trainable and zero at the start."""
+    chosen = select_targets(model, cfg.targets)
+    scale = cfg.alpha / cfg.rank
+    for name, layer in chosen.items():
+        _check_rank(name, layer, cfg.rank)
+        gen = _generator(cfg.seed, name)
+        for i in range(cfg.heads):
+            a = torch.randn(layer.out_features, cfg.rank, generator=gen) / math.sqrt(cfg.rank)
+            b = torch.randn(cfg.rank, layer.in_features, generator=gen) / math.sqrt(layer.in_features)
+            setattr(layer, f"ravan_a{i}", _param(layer, a.shape, a, False))
+            setattr(layer, f"ravan_b{i}", _param(layer, b.shape, b, False))
+            setattr(layer, f"ravan_h{i}", _param(layer, (cfg.rank, cfg.rank), None, True))
+
+        def hook(
+            mod: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor, s: float = scale, k: int = cfg.heads
+        ) -> torch.Tensor:
+            x = args[0].to(torch.float32)
+            extra = sum(
+                x @ getattr(mod, f"ravan_b{i}").t() @ getattr(mod, f"ravan_h{i}").t() @ getattr(mod, f"ravan_a{i}").t()
+                for i in range(k)
+            )
+            return out + extra.to(out.dtype) * s  # type: ignore[union-attr]
+
+        layer.register_forward_hook(hook)
+    return list(chosen)
