@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -285,3 +286,42 @@ def test_full_disk_during_a_site_checkpoint_then_a_restart_continues_the_federat
     assert synced(tmp_path) == [(1, 1), (2, 2), (2, 3), (3, 4)]
     ready = [e["source"] for e in events(tmp_path / "run" / "sites" / "local-0") if e["event"] == "ready"]
     assert ready == ["fresh", "global"]
+
+
+@pytest.mark.slow
+def test_a_resumed_push_resent_after_a_kill_is_applied_once(
+    tmp_path: Path, shards: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM mid-interval leaves unpushed work; the global model moves on; the restart pushes that work and is
+    SIGKILLed before its next checkpoint; the next restart resends it under the checkpoint's push id: once."""
+    ps = make_ps(tmp_path, interval="60s", steps=0, aggregation="async")
+    site_dir = tmp_path / "run" / "sites" / "local-0"
+    try:
+        site = Site(site_cfg(tmp_path, shards, max_syncs=1), tmp_path, ps.address)
+        try:
+            wait_for(lambda: any(e["event"] == "first_step" for e in events(site_dir)), 240, "the first step")
+            site.signal(signal.SIGTERM)
+            assert site.wait(timeout=120) == [128 + signal.SIGTERM], site.output()
+        finally:
+            site.close()
+        _, meta, _ = latest(tmp_path)
+        push_id = meta["pending"]["push_id"]
+        assert meta["version"] == 0 and push_id
+        other = ps.logic.join(m.JoinRequest("other")).session_id  # another site moves the global model on
+        zeros = {k: np.zeros_like(v) for k, v in (ps.logic.params or {}).items()}
+        assert push(ps.logic, other, 0, zeros).accepted and ps.logic.version == 1
+
+        monkeypatch.setenv(faults.ENV, "atomic.write[site-]@1=kill")  # the checkpoint after the resume push
+        site = Site(site_cfg(tmp_path, shards, max_syncs=1), tmp_path, ps.address)
+        try:
+            assert site.wait(timeout=300) == [-9], site.output()
+        finally:
+            site.close()
+        assert ps.logic.version == 2 and site_pushes(ps) == 1  # the resumed work went in, then the job died
+        assert latest(tmp_path)[1]["pending"]["push_id"] == push_id  # the restart finds the same work again
+
+        monkeypatch.delenv(faults.ENV)
+        run_site(tmp_path, shards, ps, max_syncs=2)
+        assert site_pushes(ps) == 2 and ps.logic.version == 3  # resent as a duplicate, then one more sync
+    finally:
+        ps.stop()

@@ -136,7 +136,13 @@ class SiteTrainer(RidesOutages):
         tensors.update(self.group.rng_state())
         if pending:  # the model is ahead of its base: resuming must be able to push local - base
             tensors.update({f"base/{k}": v for k, v in self.base.items()})
-            pending = {**pending, "deferred": self.deferred.to_meta()}
+            # the id its push will carry: a job killed after that push went in, before the next checkpoint,
+            # resends it from this checkpoint under the same id, and the PS does not apply it twice
+            pending = {
+                **pending,
+                "deferred": self.deferred.to_meta(),
+                "push_id": pending.get("push_id") or uuid.uuid4().hex,
+            }
         tensors.update(self._codec_state()[0].state())  # residual/<param>: error feedback survives a requeue
         tensors.update(self.paradigm.state())  # the unpushed part of a round the paradigm keeps (zo's coefficients)
         syncs = self._syncs_after_push if pushed else self.syncs
@@ -276,7 +282,8 @@ class SiteTrainer(RidesOutages):
             self.version, steps = int(meta["version"]), int(pending["steps"])
             self.phase = "busy"
             try:
-                sent, _ = self._push(client, settings, steps, float(pending["loss_sum"]) / steps)
+                loss = float(pending["loss_sum"]) / steps
+                sent, _ = self._push(client, settings, steps, loss, str(pending.get("push_id", "")))
                 self._pushed()
                 self.syncs += 1
                 rec.log(
@@ -417,9 +424,11 @@ class SiteTrainer(RidesOutages):
             self._link = codec.LinkAdaptive(self.cfg.codec, self.name)
         return self._feedback, self._link
 
-    def _push(self, client: PSClient, settings: m.RunSettings, steps: int, loss: float) -> tuple[int, int]:
+    def _push(
+        self, client: PSClient, settings: m.RunSettings, steps: int, loss: float, push_id: str = ""
+    ) -> tuple[int, int]:
         """Push local - base plus the residual the codec lost last time (error feedback); codec=adaptive picks
-        the codec from the measured push throughput."""
+        the codec from the measured push throughput. `push_id`: the id a checkpoint gave this work."""
         d = self.paradigm.wire_update(self.group.model_arrays(), self.base)  # only the exchanged tensors
         raw = sum(v.nbytes for v in d.values())
         feedback, link = self._codec_state()
@@ -442,7 +451,7 @@ class SiteTrainer(RidesOutages):
             name,
             0,
             b"",
-            self.deferred.push_id or uuid.uuid4().hex,  # one id for every attempt of this work (resilience.py)
+            self.deferred.push_id or push_id or uuid.uuid4().hex,  # one id for every attempt of this work
             train_loss=loss,
         )
         self._push_id = header.push_id
