@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from geofed_hpc.config import PSConfig, RunConfig
+from geofed_hpc.log import logger
 
 
 def small_params(seed: int = 0) -> dict[str, np.ndarray]:
@@ -37,3 +39,14 @@ def live_ps(request: pytest.FixtureRequest) -> Iterator[Any]:
     server = ParameterServer(cfg)
     yield server
     server.stop()
+
+
+@pytest.fixture
+def warnings_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """Capture geofed_hpc records even when setup_logging() turned propagation off."""
+    logger.addHandler(caplog.handler)
+    caplog.handler.setLevel(logging.DEBUG)
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)

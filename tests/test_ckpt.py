@@ -19,18 +19,6 @@ import pytest
 from geofed_hpc.ckpt import CheckpointStore, atomic_write_bytes, load_tensors, save_tensors, tensorfile
 from geofed_hpc.ckpt.atomic import temp_target
 from geofed_hpc.errors import CheckpointError, ConfigError
-from geofed_hpc.log import logger
-
-
-@pytest.fixture
-def warnings_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """Capture geofed_hpc warnings even when setup_logging() turned propagation off."""
-    logger.addHandler(caplog.handler)
-    caplog.handler.setLevel(logging.DEBUG)
-    try:
-        yield caplog
-    finally:
-        logger.removeHandler(caplog.handler)
 
 
 def _all_dtypes() -> dict[str, np.ndarray]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +11,6 @@ import numpy as np
 import pytest
 
 from geofed_hpc.errors import ConfigError
-from geofed_hpc.log import logger
 from geofed_hpc.metrics import METRIC_HELP, METRIC_NAMES, Recorder, read_jsonl
 
 
@@ -26,17 +24,6 @@ def quiet_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb-cache"))
     monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # any network attempt would fail fast
-
-
-@pytest.fixture
-def warnings_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """Capture geofed_hpc records even when setup_logging() turned propagation off."""
-    logger.addHandler(caplog.handler)
-    caplog.handler.setLevel(logging.DEBUG)
-    try:
-        yield caplog
-    finally:
-        logger.removeHandler(caplog.handler)
 
 
 def _offline_runs(run_dir: Path) -> list[Path]:

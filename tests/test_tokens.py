@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import stat
-from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -16,23 +14,12 @@ import pytest
 from geofed_hpc.cli import main
 from geofed_hpc.config import PSConfig, RunConfig
 from geofed_hpc.errors import AuthError, ConfigError, LimitError, ProtocolError
-from geofed_hpc.log import logger
 from geofed_hpc.ps.app import ParameterServer
 from geofed_hpc.ps.tokens import TokenFile, TokenVerifier, tokens_path
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 from tests.conftest import ps_config
 from tests.test_ps_logic import Clock, make
-
-
-@pytest.fixture
-def log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    logger.addHandler(caplog.handler)
-    caplog.handler.setLevel(logging.DEBUG)
-    try:
-        yield caplog
-    finally:
-        logger.removeHandler(caplog.handler)
 
 
 def issue(state: Path, site: str, *extra: str, capsys: pytest.CaptureFixture[str]) -> tuple[str, str]:
@@ -78,7 +65,7 @@ def test_issue_list_revoke_by_command_keep_only_hashes(tmp_path: Path, capsys: p
 
 
 def test_verifier_refuses_wrong_site_expired_revoked_unknown_and_logs_no_secret(
-    tmp_path: Path, log: pytest.LogCaptureFixture
+    tmp_path: Path, warnings_log: pytest.LogCaptureFixture
 ) -> None:
     path = tmp_path / "tokens.json"
     now = [1_000_000.0]
@@ -110,7 +97,7 @@ def test_verifier_refuses_wrong_site_expired_revoked_unknown_and_logs_no_secret(
     with pytest.raises(AuthError, match="revoked"):  # the session that joined with it ends too
         logic.heartbeat(m.HeartbeatRequest(sid))
     assert sid not in logic.sessions.sessions
-    refused = [r.getMessage() for r in log.records if "refused" in r.getMessage()]
+    refused = [r.getMessage() for r in warnings_log.records if "refused" in r.getMessage()]
     assert len(refused) >= 6
     assert not [line for line in refused if good.split("_", 2)[2] in line or short.split("_", 2)[2] in line]
 
