@@ -23,6 +23,7 @@ from geofed_hpc.ckpt.secret import read_secret, write_secret
 from geofed_hpc.client.params import Arrays, delta
 from geofed_hpc.client.runtime import build_runtime
 from geofed_hpc.client.telemetry import RttMeter, SyncTimer, gpu_metrics, preemptions, rss_gb
+from geofed_hpc.client.throttle import Throttle
 from geofed_hpc.config import CodecConfig, RunConfig, to_dict
 from geofed_hpc.errors import AuthError, CheckpointError, CodecError, GeofedError, ProtocolError, StaleError
 from geofed_hpc.log import logger
@@ -100,6 +101,7 @@ class SiteTrainer:
         self.rtt = RttMeter()
         self.contribution_total = 0
         self.preemptions = 0
+        self.throttle = Throttle(cfg.train.slowdown)  # train.slowdown: an emulated slower site
 
     # ---------------------------------------------------------------- checkpoints
     def _save(self, pending: dict[str, float] | None = None, pushed: bool = False) -> None:
@@ -321,7 +323,8 @@ class SiteTrainer:
         deadline = self._interval_start + settings.sync_interval_s
         self.phase = "train"
         while True:
-            loss, tokens, signalled = self.group.step()  # every rank: its slice, micro-batches, one optimizer step
+            # every rank: its slice, micro-batches, one optimizer step (then train.slowdown's sleep, if any)
+            loss, tokens, signalled = self.throttle(self.group.step)
             if signalled and self.stop_signal is None:
                 self.stop_signal = signalled  # another rank of this site was signalled: stop together
             steps += 1
