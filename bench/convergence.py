@@ -356,6 +356,10 @@ def plot(rows: list[dict[str, Any]], target: float | None, path: Path, title: st
         if target is not None:
             ax.axhline(target, color="grey", linestyle="--", linewidth=0.8, label="target")
         ax.grid(alpha=0.3)
+    after = [p["loss"] for r in rows for p in r["curve"][1:]]
+    if after:  # the drop from the initial loss dwarfs everything after it: start the axis at the first updates
+        top = max(r["curve"][1]["loss"] for r in rows if len(r["curve"]) > 1)
+        left.set_ylim(min(after + ([target] if target else [])) - 0.1, top + 0.2)
     left.set_xlabel("wall-clock seconds")
     right.set_xlabel("tokens trained, all sites (millions)")
     left.set_ylabel("validation loss of the global model")
