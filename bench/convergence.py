@@ -17,7 +17,7 @@ the moment all site processes are released at once:
   diloco       as fedavg, outer Nesterov momentum (ps.outer_optimizer=nesterov, global lr 0.7, momentum 0.9)
   fednova      ps.aggregation=sync with the wall-clock cut (unequal local steps), ps.outer_optimizer=fednova
   centralized  one process on the union of the data, full speed, for sum(speeds)/max(speeds) x the budget
-               (the same compute-seconds as the three sites together); it syncs to a one-site PS with fp32
+               (the same compute-seconds as all sites together); it syncs to a one-site PS with fp32
                deltas only so that its curve is measured the same way
 
 H is the slowest site's median steps per sync in ours' run (or --local-steps; or, without ours, the steps it
@@ -407,6 +407,7 @@ def checks_for(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> dic
 # ------------------------------------------------------------------ main
 def parse(argv: list[str] | None) -> argparse.Namespace:
     from geofed_hpc.config import WIRE_CODECS, parse_duration
+    from geofed_hpc.errors import ConfigError
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", type=Path, default=Path("docs/convergence.json"), help="where the rows go")
@@ -442,7 +443,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if unknown or not args.methods:
         p.error(f"--methods: unknown {unknown}; choose from {','.join(METHODS)}")
     args.methods = [m for m in METHODS if m in args.methods]  # centralized first: the target is fixed before
-    args.interval_s = parse_duration(args.sync_interval, "--sync-interval").total_seconds()
+    try:
+        args.interval_s = parse_duration(args.sync_interval, "--sync-interval").total_seconds()
+    except ConfigError as exc:
+        p.error(str(exc))
     if args.interval_s <= 0 or args.minutes <= 0:
         p.error("--sync-interval and --minutes must be positive")
     return args
