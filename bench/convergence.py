@@ -471,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
             rows[method] = run_method(method, args, steps, work, shards)
             if method == "centralized" and target is None:
                 target = interpolate(rows[method]["curve"], "t", rows[method]["budget_s"] / 2)
-                print(f"  target validation loss (centralized at half its budget): {target:.4f}", flush=True)
+                said = f"{target:.4f}" if target is not None else "none (no evaluation after half its budget)"
+                print(f"  target validation loss (centralized at half its budget): {said}", flush=True)
     finally:
         if args.work_dir is None and not args.keep:
             shutil.rmtree(work, ignore_errors=True)
