@@ -1,7 +1,7 @@
 """Convergence under unequal site speeds: ours (async, wall-clock cadence, int8) against synchronous FedAvg,
 DiLoCo, FedNova and centralized training, as validation loss against wall-clock seconds.
 
-    python bench/convergence.py --json docs/convergence.json --png docs/convergence.png   # ~17 min on 2 cores
+    python bench/convergence.py --json docs/convergence.json --png docs/convergence.png   # ~15 min on 2 cores
     python bench/convergence.py --minutes 0.5 --methods ours,fedavg --json /tmp/c.json     # a quick look
     python bench/convergence.py --speeds 1,1,4 --codec int4 --sync-interval 20s --json /tmp/c.json
 
