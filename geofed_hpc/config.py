@@ -436,6 +436,8 @@ class TrainConfig:
     threads: int = 1
     eval_every: int = 0
     keep_best: int = 10
+    # Emulated slower hardware: after each optimizer step, sleep (slowdown - 1) x that step's compute time.
+    slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         self.sync_interval = parse_duration(self.sync_interval, "train.sync_interval")
@@ -455,6 +457,11 @@ class TrainConfig:
         _check(self.max_local_steps >= 0, "train.max_local_steps", "must be 0 (no cap) or positive")
         _check(self.max_syncs >= 0, "train.max_syncs", "must be 0 (until stopped) or positive")
         _check(self.threads >= 1, "train.threads", "must be at least 1")
+        _check(
+            1.0 <= self.slowdown <= 1000.0,
+            "train.slowdown",
+            f"must be in 1..1000 (1: full speed, 4: a quarter of this machine's speed), got {self.slowdown}",
+        )
 
 
 PARADIGMS = ("identity", "lora", "hybrid_lora", "ravan", "zo")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from geofed_hpc.client.params import Arrays
 from geofed_hpc.client.resilience import Deferred, HeartbeatClock, RidesOutages, push_budget
 from geofed_hpc.client.runtime import build_runtime
 from geofed_hpc.client.telemetry import RttMeter, SyncTimer, gpu_metrics, preemptions, rss_gb
+from geofed_hpc.client.throttle import Throttle
 from geofed_hpc.config import CodecConfig, RunConfig, to_dict
 from geofed_hpc.errors import (
     AuthError,
@@ -126,6 +128,7 @@ class SiteTrainer(RidesOutages):
         self.rtt = RttMeter()
         self.contribution_total = 0
         self.preemptions = 0
+        self.throttle = Throttle(cfg.train.slowdown)  # train.slowdown: an emulated slower site
 
     # ---------------------------------------------------------------- checkpoints
     def _save(self, pending: dict[str, Any] | None = None, pushed: bool = False) -> Path:
@@ -385,7 +388,9 @@ class SiteTrainer(RidesOutages):
         self.paradigm.begin_round(self.version, settings.paradigm_seed, steps)
         while True:
             # every rank: its slice, micro-batches, one optimizer step on the paradigm's parameters of this step
-            loss, tokens, signalled = self.group.step(self.paradigm.phase(steps))
+            # (then train.slowdown's sleep, if any)
+            step = functools.partial(self.group.step, self.paradigm.phase(steps))
+            loss, tokens, signalled = self.throttle(step)
             if signalled and self.stop_signal is None:
                 self.stop_signal = signalled  # another rank of this site was signalled: stop together
             steps += 1
