@@ -45,16 +45,18 @@ def make_ps(folder: Path, interval: str = "60s", steps: int = 3, **ps: Any) -> P
     return ParameterServer(cfg)
 
 
-def site_cfg(folder: Path, shards: Path, max_syncs: int) -> dict[str, Any]:
+def site_cfg(folder: Path, shards: Path, max_syncs: int, sites: int = 2, **train: Any) -> dict[str, Any]:
+    """A tiny site's config as a job receives it; `train` overrides TrainConfig fields."""
+    train = {"lr": 3e-3, "sync_interval": "60s", "max_local_steps": 3, **train}
     cfg = RunConfig(
         federation="t",
         run_dir=str(folder / "run"),
         wandb_mode="disabled",
-        site=SiteConfig(num_sites=2),
+        site=SiteConfig(num_sites=sites),
         model=MODEL,
         ps=ps_config(),
         data=DataConfig(source=str(shards), val_batches=2),
-        train=TrainConfig(batch_size=BATCH, lr=3e-3, sync_interval="60s", max_local_steps=3, max_syncs=max_syncs),
+        train=TrainConfig(batch_size=BATCH, max_syncs=max_syncs, **train),
     )
     return to_dict(cfg)
 

@@ -8,13 +8,11 @@ import pytest
 
 from geofed_hpc.ckpt.best import BestCheckpoints
 from geofed_hpc.ckpt.tensorfile import load_tensors
-from geofed_hpc.config import CodecConfig, DataConfig, RunConfig, SiteConfig, TrainConfig, to_dict
+from geofed_hpc.config import DataConfig
 from geofed_hpc.data.shards import prepare_shards
 from geofed_hpc.metrics import read_jsonl
-from geofed_hpc.ps.app import ParameterServer
-from tests.conftest import ps_config
 from tests.site_procs import Site
-from tests.test_site_client import BATCH, MODEL
+from tests.test_site_client import make_ps, site_cfg
 
 pytestmark = pytest.mark.slow
 
@@ -23,19 +21,9 @@ def test_eval_every_n_steps_keeps_the_k_lowest_losses(tmp_path: Path) -> None:
     shards = tmp_path / "shards"
     data = DataConfig(source="bible", max_tokens=40000, val_fraction=0.05, cache_dir=str(tmp_path / "cache"))
     prepare_shards(data, shards, 1)
-    train = TrainConfig(sync_interval="60s", max_local_steps=5)
-    ps = ParameterServer(RunConfig(ps=ps_config(aggregation="async"), train=train, codec=CodecConfig(name="int8")))
-    cfg = RunConfig(
-        federation="t",
-        run_dir=str(tmp_path / "run"),
-        wandb_mode="disabled",
-        site=SiteConfig(num_sites=1),
-        model=MODEL,
-        ps=ps_config(),
-        data=DataConfig(source=str(shards), val_batches=2),
-        train=TrainConfig(batch_size=BATCH, lr=1e-2, sync_interval="60s", max_syncs=2, eval_every=2, keep_best=3),
-    )
-    site = Site(to_dict(cfg), tmp_path, ps.address)
+    ps = make_ps(tmp_path, steps=5, aggregation="async")
+    cfg = site_cfg(tmp_path, shards, 2, sites=1, lr=1e-2, max_local_steps=0, eval_every=2, keep_best=3)
+    site = Site(cfg, tmp_path, ps.address)
     try:
         assert site.wait(timeout=300) == [0], site.output()
     finally:
