@@ -115,13 +115,12 @@ class ClientJob(submitit.helpers.Checkpointable):
         cfg: RunConfig = from_dict(RunConfig, self.cfg)
         setup_logging(cfg.verbosity)
         stopper = StopHandler(global_rank()).install()  # before the slow start: a signal then just exits
-        from geofed_hpc.client.distributed import close_distributed  # torch is imported here, inside the job
-        from geofed_hpc.client.trainer import SiteTrainer
+        from geofed_hpc.client.trainer import SiteTrainer  # torch is imported here, inside the job
 
         trainer = SiteTrainer(cfg, self.site_index, self.ps_address)
         stopper.attach(trainer)
         try:
-            result = trainer.run()
+            return trainer.run()
         except Exception as exc:
             if trainer.stop_signal is None:
                 raise
@@ -131,10 +130,6 @@ class ClientJob(submitit.helpers.Checkpointable):
             trainer.checkpoint_after_error()
             stopper.finish(trainer.stop_signal)
             raise SystemExit(128 + trainer.stop_signal) from None
-        # leave the process group before the interpreter exits: torn down at exit instead, gloo's threads can
-        # abort a finished rank ("terminate called without an active exception")
-        close_distributed()
-        return result
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         logger.info(
