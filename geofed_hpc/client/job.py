@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import io
 import os
 import signal
 import sys
@@ -114,6 +117,11 @@ class ClientJob(submitit.helpers.Checkpointable):
     def __call__(self) -> dict[str, Any]:
         cfg: RunConfig = from_dict(RunConfig, self.cfg)
         setup_logging(cfg.verbosity)
+        # a crash in native code (a segfault, an abort in a C++ destructor at exit) leaves every thread's Python
+        # stack in the job's log
+        if not faulthandler.is_enabled():
+            with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):  # stderr without a file
+                faulthandler.enable(all_threads=True)
         stopper = StopHandler(global_rank()).install()  # before the slow start: a signal then just exits
         from geofed_hpc.client.trainer import SiteTrainer  # torch is imported here, inside the job
 
