@@ -111,7 +111,7 @@ def test_a_site_switches_codec_when_its_uplink_is_throttled(tmp_path: Path, capl
             trainer.session = trainer._join(client, None)
             settings = trainer.session.settings
             assert settings.codec == "adaptive"
-            trainer._seed(client, None)
+            trainer._seed(client, 0)
             trainer._pull(client, 0, timedelta(0))
             numel = sum(p.numel() for p in trainer.model.parameters())
             for push in range(5):

@@ -13,7 +13,7 @@ import torch
 
 from geofed_hpc import codec
 from geofed_hpc.ckpt import CheckpointStore
-from geofed_hpc.client.trainer import apply_updates
+from geofed_hpc.client.joining import apply_updates
 from geofed_hpc.config import (
     CodecConfig,
     DataConfig,

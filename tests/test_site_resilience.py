@@ -196,6 +196,42 @@ def test_a_requeue_during_the_outage_keeps_the_deferred_work(tmp_path: Path, sha
     assert meta["sampler"]["draws"] == sum(r["sync/local_steps"] for r in syncs)
 
 
+def test_a_ps_back_without_its_state_is_reseeded_by_the_running_site_and_gets_its_work(
+    tmp_path: Path, shards: Path
+) -> None:
+    """The PS dies while the site trains on (its push deferred) and a PS with an empty state directory comes up
+    on the same port. The running site joins it again, re-seeds it with its base (the global model at the last
+    version it pulled), pushes the deferred work against it, and finishes; no step is lost."""
+    port = free_port()
+    site_dir = tmp_path / "run" / "sites" / "local-0"
+    ps = ParameterServer(ps_run_config(tmp_path / "first", port, aggregation="async"))
+    servers = [ps]
+    site = Site(site_cfg(tmp_path, shards, port, max_syncs=3), tmp_path, ps.address)
+    try:
+        wait_for(lambda: any(r.get("sync/index") == 1 for r in site_metrics(tmp_path)), 240, "the first sync")
+        ps.stop()
+        before = ps.logic.version
+        wait_for(lambda: any(e["event"] == "push_deferred" for e in events(site_dir)), 240, "a deferred push")
+        servers.append(ParameterServer(ps_run_config(tmp_path / "empty", port, aggregation="async")))
+        assert not servers[-1].logic.initialized
+        assert site.wait(timeout=300) == [0], site.output()
+        logic = servers[-1].logic
+        final, params = logic.version, {k: v.copy() for k, v in (logic.params or {}).items()}
+    finally:
+        site.close()
+        for server in servers:
+            server.stop()
+    names = [e["event"] for e in events(site_dir)]
+    assert names.index("push_deferred") < names.index("rejoin") < names.index("reseed") < names.index("deferred_pushed")
+    assert [e["version"] for e in events(site_dir) if e["event"] == "reseed"] == [before]
+    syncs = [r for r in site_metrics(tmp_path) if "train/loss" in r]
+    assert [r["sync/version"] for r in syncs] == [1, 2, 3] and final == 3  # the federation went on from v1
+    tensors, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
+    assert meta["version"] == 3 and meta["global_model"]
+    assert all(tensors[f"model/{k}"].tobytes() == v.tobytes() for k, v in params.items())  # the PS's model
+    assert meta["sampler"]["draws"] == sum(r["sync/local_steps"] for r in syncs)  # no step lost or pushed twice
+
+
 def test_sync_now_ends_a_late_sites_interval_so_the_round_closes_early(tmp_path: Path, shards: Path) -> None:
     """Sync mode, a 10-minute interval and a 10-minute deadline: a fast site pushes at once, the slow (real)
     site hears "sync now" on its next heartbeat and pushes what it has; the round closes with both."""

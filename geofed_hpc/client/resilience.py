@@ -5,16 +5,14 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from geofed_hpc.client.group import SiteGroup
-from geofed_hpc.config import PSConfig, RunConfig
-from geofed_hpc.errors import GeofedError, UnavailableError
+from geofed_hpc.client.trainer_api import Site
+from geofed_hpc.config import PSConfig
+from geofed_hpc.errors import AuthError, GeofedError, UnavailableError
 from geofed_hpc.log import logger
-from geofed_hpc.metrics import Recorder
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 
@@ -88,36 +86,11 @@ class HeartbeatClock:
         return True
 
 
-class _Site(Protocol):
-    """What RidesOutages needs of the trainer it is part of (client/trainer.py SiteTrainer)."""
-
-    cfg: RunConfig
-    name: str
-    group: SiteGroup
-    client: PSClient | None
-    rec: Recorder | None
-    session: m.JoinReply
-    deferred: Deferred
-    base: dict[str, np.ndarray]
-    base_global: bool
-    version: int
-    _push_id: str
-    _push_version: int
-
-    def _event(self, event: str, **fields: Any) -> None: ...
-
-    def _save(self, pending: dict[str, Any] | None = None, pushed: bool = False) -> Path: ...
-
-    def _checkpointed(self) -> None: ...
-
-    def _pull(self, client: PSClient, min_version: int, wait: timedelta) -> None: ...
-
-
 class RidesOutages:
     """SiteTrainer's steps for a PS that does not answer: a start from the checkpoint alone, heartbeats while
     training, a deferred push, training on from the local model when the pull after a push fails."""
 
-    def _offline_session(self: _Site, meta: dict[str, Any] | None, exc: UnavailableError) -> m.JoinReply:
+    def _offline_session(self: Site, meta: dict[str, Any] | None, exc: UnavailableError) -> m.JoinReply:
         """The PS is unreachable as the job starts. A checkpoint that holds a base (the global model at its
         version, or unpushed work with its base), its session and the run settings is enough to train on: its
         work goes out, as a deferred push, when the PS answers. Without one, `exc` is raised."""
@@ -137,7 +110,7 @@ class RidesOutages:
         settings = m.RunSettings(**{k: v for k, v in meta["settings"].items() if k in known})
         return m.JoinReply(str(meta["session_id"]), "", version, True, settings)
 
-    def _heartbeat_ends_interval(self: _Site, steps: int) -> bool:
+    def _heartbeat_ends_interval(self: Site, steps: int) -> bool:
         """A heartbeat while training (liveness). True ends the interval: in sync mode the PS says the round
         waits for us ("sync now"); after a failed push, the PS answers again."""
         if self.client is None:
@@ -145,6 +118,9 @@ class RidesOutages:
         request = m.HeartbeatRequest(self.session.session_id, self.version, local_steps=steps)
         try:
             reply = self.client.heartbeat(request, budget=timedelta(0), timeout=TRAINING_HEARTBEAT_TIMEOUT)
+        except AuthError as exc:  # the PS answers but forgot our session: push now (joining it again first)
+            logger.info("%s: the parameter server does not know us any more (%s); pushing now", self.name, exc)
+            return True
         except GeofedError as exc:  # unreachable (or the PS forgot us): the push at the interval's end says
             logger.debug("%s: heartbeat failed: %s", self.name, exc)
             return False
@@ -158,19 +134,31 @@ class RidesOutages:
             return True
         return False
 
-    def _pull_after_push(self: _Site, client: PSClient, wait: timedelta) -> None:
+    def _pull_after_push(self: Site, client: PSClient, wait: timedelta) -> None:
         """Pull the version after our push. If the PS became unreachable since the push went in, train on from
         the local model: it becomes the base at the version pushed to (not bit-identical to the PS: the next
         pull is a full one)."""
         try:
             self._pull(client, self.version + 1, wait)
-        except UnavailableError as exc:
+        except (UnavailableError, AuthError) as exc:
             logger.warning("%s: %s; our delta is in, training on from the local model", self.name, exc)
             self._event("pull_failed", version=self._push_version, error=str(exc)[:300])
             self.base = {k: np.array(v, copy=True) for k, v in self.group.model_arrays().items()}
             self.version, self.base_global = self._push_version, False
+            if isinstance(exc, AuthError):  # the PS restarted without its state since our push: join it again
+                self._rejoin(client, exc)  # (re-seeding it with this model if it holds none)
+                self._pull(client, 0, timedelta(0))
 
-    def _defer(self: _Site, steps: int, loss: float, exc: UnavailableError) -> None:
+    def _push_or_rejoin(self: Site, client: PSClient, steps: int, loss: float) -> tuple[int, int]:
+        """Push this interval's work. A PS that answers but no longer knows our session (it restarted without its
+        state) is joined again, and re-seeded with our base when it holds no model; then the work goes out."""
+        try:
+            return self._push(client, self.session.settings, steps, loss)
+        except AuthError as exc:
+            self._rejoin(client, exc)
+        return self._push(client, self.session.settings, steps, loss)
+
+    def _defer(self: Site, steps: int, loss: float, exc: UnavailableError) -> None:
         """The PS stayed unreachable for the whole retry budget: keep this work (still relative to the same base)
         for the next push, checkpoint it with its base, train on."""
         if self.deferred.record(steps, loss * steps, self._push_id):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
@@ -16,13 +15,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from geofed_hpc import codec
 from geofed_hpc.ckpt import CheckpointStore
 from geofed_hpc.ckpt.best import BestCheckpoints
-from geofed_hpc.ckpt.secret import read_secret, write_secret
+from geofed_hpc.client.checkpointing import Checkpointing
+from geofed_hpc.client.joining import Joining
 from geofed_hpc.client.params import Arrays
 from geofed_hpc.client.resilience import Deferred, HeartbeatClock, RidesOutages, push_budget
 from geofed_hpc.client.runtime import build_runtime
@@ -30,39 +29,16 @@ from geofed_hpc.client.telemetry import RttMeter, SyncTimer, gpu_metrics, preemp
 from geofed_hpc.client.throttle import Throttle
 from geofed_hpc.config import CodecConfig, RunConfig, to_dict
 from geofed_hpc.errors import (
-    AuthError,
-    CheckpointError,
-    CodecError,
     GeofedError,
-    ProtocolError,
     StaleError,
     UnavailableError,
 )
 from geofed_hpc.log import logger
 from geofed_hpc.metrics import Recorder
-from geofed_hpc.paradigms import Exchange
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 
 EXTRA_PULL_WAIT = timedelta(seconds=30)
-
-
-def apply_updates(base: Arrays, header: m.ModelHeader, payload: bytes, exchange: Exchange | None = None) -> Arrays:
-    """Add the PS's encoded global updates (header.segments, in version order) to `base` in place, the same
-    float32 adds the PS made (each update expanded by the paradigm as the PS does), so `base` stays
-    bit-identical to the global model."""
-    if sum(header.segments) != len(payload):
-        raise ProtocolError(f"update segments add up to {sum(header.segments)} bytes, the payload has {len(payload)}")
-    exchange = exchange or Exchange()
-    shapes = {k: tuple(v.shape) for k, v in base.items()}
-    expected = {k: (s, "float32") for k, s in exchange.wire_spec(shapes).items()}
-    view, pos = memoryview(payload), 0
-    for i, size in enumerate(header.segments):
-        update = codec.decode(view[pos : pos + size], expected=expected)  # type: ignore[arg-type]
-        for k, v in exchange.expand(update, header.base_version + i, shapes).items():
-            base[k] += v
-        pos += size
-    return base
 
 
 @dataclass
@@ -75,7 +51,7 @@ class SyncResult:
     raw_bytes: int
 
 
-class SiteTrainer(RidesOutages):
+class SiteTrainer(Checkpointing, Joining, RidesOutages):
     """Trains one site's model and keeps it in step with the parameter server."""
 
     def __init__(self, cfg: RunConfig, site_index: int, ps_address: str) -> None:
@@ -129,85 +105,6 @@ class SiteTrainer(RidesOutages):
         self.contribution_total = 0
         self.preemptions = 0
         self.throttle = Throttle(cfg.train.slowdown)  # train.slowdown: an emulated slower site
-
-    # ---------------------------------------------------------------- checkpoints
-    def _save(self, pending: dict[str, Any] | None = None, pushed: bool = False) -> Path:
-        """Checkpoint; `pending`: unpushed work (kept with its base, and what of it is deferred), `pushed`: the
-        delta is in. Returns the file written."""
-        tensors: dict[str, np.ndarray] = {f"model/{k}": v for k, v in self.group.model_arrays().items()}
-        tensors.update(self.group.optimizer_arrays())  # optim/<param>/<key>, gathered from every rank
-        tensors.update(self.group.rng_state())
-        if pending:  # the model is ahead of its base: resuming must be able to push local - base
-            tensors.update({f"base/{k}": v for k, v in self.base.items()})
-            # the id its push will carry: a job killed after that push went in, before the next checkpoint,
-            # resends it from this checkpoint under the same id, and the PS does not apply it twice
-            pending = {
-                **pending,
-                "deferred": self.deferred.to_meta(),
-                "push_id": pending.get("push_id") or uuid.uuid4().hex,
-            }
-        tensors.update(self._codec_state()[0].state())  # residual/<param>: error feedback survives a requeue
-        tensors.update(self.paradigm.state())  # the unpushed part of a round the paradigm keeps (zo's coefficients)
-        syncs = self._syncs_after_push if pushed else self.syncs
-        meta = {
-            "version": self.version,
-            "syncs": syncs,
-            "tokens_seen": self.tokens_seen,
-            "sampler": self.sampler.state_dict(),
-            "session_id": self.session.session_id,
-            "settings": dataclasses.asdict(self.session.settings),  # to train on if the PS is down at restart
-            "pending": pending,
-            "job_id": self.job_id,
-            "global_model": not pending and not pushed and self.base_global,  # the PS's model at `version`
-            "base_global": self.base_global,
-            "val_loss": self.val_loss,
-            "contribution_total": self.contribution_total,
-            "scaler": self.group.stepper.scaler_state(),
-            "model": _shape(self.cfg),
-        }
-        path = self.store.save(syncs, tensors, meta)
-        if meta["global_model"]:
-            self.best.offer(path, self.val_loss, syncs)
-        return path
-
-    def _load(self) -> dict[str, Any] | None:
-        loaded = self.store.load_latest()
-        if loaded is None:
-            if not self.runtime.initialized:  # every checkpoint was unreadable: start from fresh weights
-                self.group.load_model(self.runtime.initial_arrays())
-            return None
-        tensors, meta, path = loaded
-        theirs = {"paradigm": "identity", **meta.get("model", _shape(self.cfg))}  # older checkpoints: pretraining
-        if theirs != _shape(self.cfg):
-            ours = _shape(self.cfg)
-            diff = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
-            key = diff[0] if diff[0] == "paradigm" else f"model.{diff[0]}"
-            raise CheckpointError(
-                f"checkpoint {path} is of another model ({key}={theirs.get(diff[0])!r}, this run has "
-                f"{ours.get(diff[0])!r}): use its config, or move {self.store.directory} away to start afresh"
-            )
-        self._disk_model = {k[6:]: v for k, v in tensors.items() if k.startswith("model/")}
-        self.group.load_model(self._disk_model)
-        self.group.load_optimizer({k: v for k, v in tensors.items() if k.startswith("optim/")})
-        self.group.set_rng_state(tensors)
-        self.group.set_scaler_state(meta.get("scaler") or {})
-        self.base = {k[5:]: v for k, v in tensors.items() if k.startswith("base/")}
-        self.base_global = bool(meta.get("base_global", True))
-        self._codec_state()[0].load(tensors)
-        self.paradigm.load_state(tensors)
-        self.sampler.load_state_dict(meta["sampler"])
-        self.syncs, self.tokens_seen = int(meta["syncs"]), int(meta["tokens_seen"])
-        self.contribution_total = int(meta.get("contribution_total", 0))
-        pending = meta.get("pending")
-        logger.info(
-            "%s: loaded local checkpoint %s (version %d, %d syncs%s)",
-            self.name,
-            path,
-            meta["version"],
-            self.syncs,
-            f", {pending['steps']:g} unpushed steps" if pending else "",
-        )
-        return meta
 
     # ---------------------------------------------------------------- preemption and requeue
     def request_stop(self, signum: int) -> bool:
@@ -271,102 +168,6 @@ class SiteTrainer(RidesOutages):
         record = {"time": time.time(), "event": event, "job_id": self.job_id, "restarts": self.restarts, **fields}
         with open(self.dir / "events.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
-
-    def _resume(self, client: PSClient, meta: dict[str, Any] | None, settings: m.RunSettings, rec: Recorder) -> str:
-        """Continue an interrupted interval, or push its work and take the live model when that is fresher."""
-        pending = meta.get("pending") if meta else None
-        self.deferred = Deferred.from_meta(pending.get("deferred") if pending else None)
-        if meta and pending and int(meta["version"]) == self.session.version:
-            self.version, held = int(meta["version"]), self.deferred
-            steps, loss_sum = int(pending["steps"]) - held.steps, float(pending["loss_sum"]) - held.loss_sum
-            self._carry = (steps, loss_sum, float(pending["elapsed_s"]))  # deferred work goes out with it
-            return "local"
-        if meta and pending:
-            self.version, steps = int(meta["version"]), int(pending["steps"])
-            self.phase = "busy"
-            try:
-                loss = float(pending["loss_sum"]) / steps
-                sent, _ = self._push(client, settings, steps, loss, str(pending.get("push_id", "")))
-                self._pushed()
-                self.syncs += 1
-                rec.log(
-                    {
-                        "sync/index": self.syncs,
-                        "sync/version": self.version,
-                        "sync/local_steps": steps,
-                        "train/loss": float(pending["loss_sum"]) / steps,
-                        "sync/bytes_sent": sent,
-                    }
-                )
-            except StaleError as exc:
-                logger.warning("%s: %s; the %d steps before the requeue are dropped", self.name, exc, steps)
-                self.deferred.clear()
-        if not self._disk_is_current(meta):
-            self._pull(client, 0, timedelta(0))
-        if pending:
-            self._save()
-        self._checkpointed()
-        return "fresh" if not meta else "local" if int(meta["version"]) == self.version else "global"
-
-    # ---------------------------------------------------------------- protocol steps
-    def _join(self, client: PSClient, meta: dict[str, Any] | None) -> m.JoinReply:
-        paradigm = self.cfg.paradigm.describe()  # the PS refuses a site whose paradigm differs from its own
-        if meta and meta.get("session_id"):
-            try:
-                token = read_secret(self.dir / "rejoin.json").get("rejoin_token") or meta.get("rejoin_token", "")
-                request = m.JoinRequest(self.name, token, resume_session=meta["session_id"], paradigm=paradigm)
-                return client.join(request)
-            except AuthError as exc:
-                logger.info("%s: rejoin refused (%s); enrolling again", self.name, exc)
-        return client.join(m.JoinRequest(self.name, self.cfg.site.token, paradigm=paradigm))
-
-    def _pull(self, client: PSClient, min_version: int, wait: timedelta) -> None:
-        """Take the global model: only the PS's encoded updates since our version when it still keeps them
-        (self.base stays bit-identical to the PS), the full model otherwise."""
-        have = self.version if self.base and self.base_global else None
-        t0 = time.monotonic()
-        header, payload = client.pull_model(self.session.session_id, min_version, wait, have_version=have)
-        self.timer.pull_s += time.monotonic() - t0
-        self.timer.wait_s += client.last_pull_wait_s
-        self.timer.bytes_received += len(payload)
-        if header.kind == "updates":
-            try:
-                if header.base_version != have:
-                    raise ProtocolError(f"updates start at version {header.base_version}, we hold {have}")
-                arrays = apply_updates(self.base, header, payload, self.exchange)
-            except (CodecError, ProtocolError) as exc:
-                logger.warning("%s: cannot apply the global updates (%s); pulling the full model", self.name, exc)
-                self.base = {}
-                self._pull(client, min_version, timedelta(0))
-                return
-        else:
-            arrays = codec.decode(payload)
-            if have is not None and header.version < have:
-                logger.warning("%s: the PS is back at version %d (we held %d)", self.name, header.version, have)
-        self.group.load_model(self._with_private(arrays))
-        self.base, self.version, self.base_global = arrays, header.version, True
-
-    def _with_private(self, arrays: Arrays) -> Arrays:
-        """The global model plus this site's private tensors (hybrid_lora's adapters), which it never sends."""
-        if not self.private:
-            return arrays
-        local = self.group.model_arrays()
-        return {**{k: np.array(local[k], copy=True) for k in self.private}, **arrays}
-
-    def _seed(self, client: PSClient, meta: dict[str, Any] | None) -> None:
-        """The PS holds no model: upload ours (bootstrap), or re-seed it from this site's checkpoint."""
-        version = int(meta["version"]) if meta else 0
-        arrays = self.base if self.base else self.exchange.public(self.group.model_arrays())
-        if version > 0:
-            logger.warning("%s: the PS has no model; re-seeding it from our checkpoint (v%d)", self.name, version)
-            self._event("reseed", version=version)
-        init = codec.encode(arrays, CodecConfig(name="fp32"))
-        header = m.PushHeader(self.session.session_id, version, 0, 0, "fp32", 0, b"", "", init=True)
-        reply = client.push_delta(header, init)
-        if reply.accepted:
-            self.session.version = reply.version
-        else:
-            logger.info("%s: the global model was seeded by another site first (%s)", self.name, reply.reason)
 
     def evaluate(self) -> float:
         self.val_loss = self.group.evaluate()
@@ -522,19 +323,6 @@ class SiteTrainer(RidesOutages):
         self.group.stop(0)
         return result
 
-    def _disk_is_current(self, meta: dict[str, Any] | None) -> bool:
-        """A checkpoint holding the global model is our base at its version: skip the pull when the PS is still
-        there, else pull only what is newer (the PS's updates since that version, when it keeps them)."""
-        if not meta or meta.get("pending") or not meta.get("global_model") or not self._disk_model:
-            return False
-        self.base, self.version = self.exchange.public(self._disk_model), int(meta["version"])
-        return self.version == self.session.version
-
-    def _keep_token(self) -> None:
-        """The one-time rejoin token lives in a 0600 file, rewritten as soon as a Join hands out a new one."""
-        token = {"session_id": self.session.session_id, "rejoin_token": self.session.rejoin_token}
-        write_secret(self.dir / "rejoin.json", token)
-
     def _lead(self) -> dict[str, Any]:
         cfg = self.cfg
         meta = self._load()
@@ -561,7 +349,7 @@ class SiteTrainer(RidesOutages):
                 self.session = self._offline_session(meta, exc)  # train from the checkpoint, or raise exc
             settings = self.session.settings
             if not self.session.initialized:
-                self._seed(client, meta)
+                self._seed(client, int(meta["version"]) if meta else 0)
             resume = self._resume(client, meta, settings, rec)
             rec.log(
                 {
@@ -584,12 +372,12 @@ class SiteTrainer(RidesOutages):
             while not cfg.train.max_syncs or self.syncs < cfg.train.max_syncs:
                 t0 = time.monotonic()
                 self.timer = SyncTimer()
-                steps, train_loss = self._train_interval(settings)
+                steps, train_loss = self._train_interval(self.session.settings)  # a rejoin may change them
                 train_s = time.monotonic() - t0
                 t1 = time.monotonic()
                 held, offline_s = self.deferred.intervals, self.deferred.offline_seconds()
                 try:
-                    sent, raw = self._push(client, settings, steps, train_loss)
+                    sent, raw = self._push_or_rejoin(client, steps, train_loss)
                     self._pushed()
                     push_s = time.monotonic() - t1
                     self._pull_after_push(client, cfg.ps.round_timeout + EXTRA_PULL_WAIT)
@@ -636,13 +424,6 @@ class SiteTrainer(RidesOutages):
         final = results[-1].val_loss if results else math.nan
         logger.info("%s: done after %d syncs at version %d, val loss %.4f", self.name, self.syncs, self.version, final)
         return {"site": self.name, "syncs": self.syncs, "version": self.version, "val_loss": final}
-
-
-def _shape(cfg: RunConfig) -> dict[str, Any]:
-    """The model config a checkpoint must match (its name and initial weights do not matter), and the paradigm
-    (which adds its adapters to the model)."""
-    shape = {k: v for k, v in to_dict(cfg.model).items() if k not in ("name", "init_from")}
-    return {**shape, "paradigm": cfg.paradigm.describe()}
 
 
 def _exit_for(signum: int) -> None:
