@@ -272,6 +272,9 @@ def cmd_ps_up(cfg: RunConfig) -> int:
     server = ParameterServer(replace(cfg, ps=ps_cfg))
     logic = server.logic
     model = f"version {logic.version}" if logic.initialized else "no model yet (the first site uploads it)"
+    if logic.rounds.count:  # a round that was open when the PS stopped, replayed from its journal
+        n = logic.rounds.count
+        model += f", open round of {n} delta{'s' if n != 1 else ''} restored"
     print(
         f"parameter server on {cfg.ps.host}:{server.port} ({'plaintext' if cfg.ps.insecure else 'TLS'}, "
         f"{cfg.ps.aggregation}, {model}); Ctrl-C or SIGTERM to stop",

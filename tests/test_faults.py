@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ from geofed_hpc.testing.partition import Partition
 from tests.conftest import ps_config, small_params
 from tests.dist_util import free_port
 from tests.site_procs import Site, events, wait_for
-from tests.test_ps_logic import init, joined, make, push
+from tests.test_ps_logic import expect, full, init, joined, make, push
 from tests.test_site_client import latest, make_ps, metrics, run_site, shards, site_cfg
 
 __all__ = ["shards"]  # the module-scoped token shards fixture, shared with test_site_client
@@ -54,10 +55,10 @@ def test_fault_plans_parse_fire_on_the_nth_matching_hit_and_cost_nothing_unset()
 
 
 @contextmanager
-def ps_process(state: Path, port: int, plan: str = "") -> Iterator[subprocess.Popen]:
-    """`geofed-hpc ps up` (async, fp32, a snapshot every version) as a real process on a fixed port."""
+def ps_process(state: Path, port: int, plan: str = "", aggregation: str = "async") -> Iterator[subprocess.Popen]:
+    """`geofed-hpc ps up` (async by default, fp32, a snapshot every version) as a real process on a fixed port."""
     env = {**os.environ, faults.ENV: plan}
-    args = ["ps", "up", f"ps.port={port}", f"ps.state_dir={state}", "codec=fp32", "ps.aggregation=async"]
+    args = ["ps", "up", f"ps.port={port}", f"ps.state_dir={state}", "codec=fp32", f"ps.aggregation={aggregation}"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "geofed_hpc.cli", *args],
         cwd=REPO,
@@ -103,7 +104,7 @@ def test_ps_sigkilled_then_restarted_loses_no_delta_and_applies_none_twice(
 ) -> None:
     state, port = tmp_path / "state", free_port()
     params = small_params()
-    cfg = ps_config(connect_timeout="60s")
+    cfg = ps_config(connect_timeout="60s", retry_budget="3s")  # a dead PS is noticed fast
     address = f"127.0.0.1:{port}"
     versions = []
     headers = [m.PushHeader("", i, 1, 1, "fp32", 0, b"", f"push-{i}") for i in range(4)]
@@ -139,6 +140,66 @@ def test_ps_sigkilled_then_restarted_loses_no_delta_and_applies_none_twice(
     for k, v in params.items():  # every delta exactly once: Θ0 + 4 · 1
         np.testing.assert_allclose(model[k], v + 4, rtol=0, atol=1e-5)
     assert not any(TEMP_MARKER in p.name for p in state.iterdir())
+
+
+def test_a_ps_sigkilled_with_a_sync_round_open_keeps_the_accepted_delta(tmp_path: Path) -> None:
+    """Sync mode: site A's push is journaled and the PS is SIGKILLed before it answers (the round waits for B).
+    The restarted PS replays the open round: A's retransmission is a duplicate, B's push closes the round, and
+    the global model is Θ0 + mean(1, 3)."""
+    state, port = tmp_path / "state", free_port()
+    params = small_params()
+    cfg = ps_config(connect_timeout="60s", retry_budget="3s")  # a dead PS is noticed fast
+    address = f"127.0.0.1:{port}"
+    with ps_process(state, port, "ps.journal@1=kill", aggregation="sync") as proc, PSClient(cfg, address) as client:
+        client.connect()
+        a, b = (client.join(m.JoinRequest(name)) for name in ("site-a", "site-b"))
+        init_header = m.PushHeader(a.session_id, 0, 0, 0, "fp32", 0, b"", "init", init=True)
+        assert client.push_delta(init_header, codec.encode(params, FP32)).accepted
+        push_a = m.PushHeader(a.session_id, 0, 1, 1, "fp32", 0, b"", "push-a")
+        with pytest.raises(UnavailableError):  # killed after the journal has it, before the reply
+            client.push_delta(push_a, codec.encode({k: np.ones_like(v) for k, v in params.items()}, FP32))
+        assert proc.wait(timeout=30) == -9
+    assert len(list((state / "round").glob("*.json"))) == 1
+    with ps_process(state, port, aggregation="sync") as proc, PSClient(cfg, address) as client:
+        client.connect()
+        assert client.status().version == 0 and client.status().pending_deltas == 1
+        resent = client.push_delta(push_a, codec.encode({k: np.ones_like(v) for k, v in params.items()}, FP32))
+        assert resent.accepted and resent.duplicate and resent.version == 0
+        push_b = m.PushHeader(b.session_id, 0, 1, 1, "fp32", 0, b"", "push-b")
+        reply = client.push_delta(push_b, codec.encode({k: np.full_like(v, 3.0) for k, v in params.items()}, FP32))
+        assert reply.accepted and not reply.duplicate
+        header, payload = client.pull_model(a.session_id, 1, timedelta(seconds=30))
+    assert header.version == 1
+    model = codec.decode(payload)
+    for k, v in params.items():  # A's delta exactly once
+        np.testing.assert_allclose(model[k], v + 2.0, rtol=0, atol=1e-6)
+    assert not list((state / "round").iterdir())  # the snapshot of version 1 holds the round
+
+
+@pytest.mark.parametrize("rule", ["none", "trimmed_mean"])
+def test_a_restart_replays_the_journaled_open_round_and_drops_a_damaged_entry(tmp_path: Path, rule: str) -> None:
+    """Buffered mode (K=3), in memory: two deltas are journaled, the PS is abandoned without a shutdown (a crash),
+    one entry's payload is cut short on disk. The restart replays the intact one; the damaged push's
+    retransmission is applied as new; the third closes the round with exactly the three deltas."""
+    kw = {"state_dir": str(tmp_path), "buffer_size": 3, "robust": rule, "trim_fraction": 0.0}
+    logic = make("buffered", **kw)
+    a, b, c = joined(logic, 3)
+    params = init(logic, a)
+    assert push(logic, a, 0, full(params, 1.0), push_id="pa").accepted
+    assert push(logic, b, 0, full(params, 2.0), push_id="pb").accepted
+    entries = sorted((tmp_path / "round").glob("*.push"))
+    assert len(entries) == 2 and logic.version == 0
+    damaged = next(p for p in entries if "-pb" in p.name)
+    damaged.write_bytes(damaged.read_bytes()[:-7])  # a torn disk write
+    restarted = make("buffered", **kw)  # the first one never finished: its round lives only in the journal
+    assert restarted.version == 0 and restarted.rounds.count == 1
+    assert push(restarted, a, 0, full(params, 1.0), push_id="pa").duplicate
+    assert not push(restarted, b, 0, full(params, 2.0), push_id="pb").duplicate
+    assert push(restarted, c, 0, full(params, 6.0), push_id="pc").accepted
+    assert restarted.version == 1
+    expect(restarted, a, {k: v + 3.0 for k, v in params.items()}, 1, atol=1e-6)  # mean(1, 2, 6)
+    assert not list((tmp_path / "round").iterdir())
+    restarted.finish()
 
 
 def test_full_disk_during_a_ps_snapshot_is_survived_and_the_next_snapshot_lands(tmp_path: Path) -> None:

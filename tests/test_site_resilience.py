@@ -269,8 +269,9 @@ def test_sync_now_ends_a_late_sites_interval_so_the_round_closes_early(tmp_path:
 
 def test_a_pull_lost_after_the_push_went_in_trains_on_from_the_local_model(tmp_path: Path, shards: Path) -> None:
     """Sync mode: the site's push is in and it waits for the round to close; the PS process is SIGKILLed
-    there. The site trains on from its local model (the base for its next delta), and when a `ps up` is
-    back on the same port its next push goes in and the pull after it brings the global model again."""
+    there. The site trains on from its local model (the base for its next delta). The `ps up` back on the same
+    port replays the open round from its journal (the accepted delta is not lost); the site's next push goes in
+    and the pull after it brings the global model again."""
     port = free_port()
     log = tmp_path / "ps.log"
 
@@ -310,12 +311,14 @@ def test_a_pull_lost_after_the_push_went_in_trains_on_from_the_local_model(tmp_p
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=60)
-    # the killed PS lost the open round (its snapshot is version 0); the site's next delta makes version 1
-    assert version == 1 and sites["local-0"].pushes == 1
+    # the restarted PS replayed the open round (snapshot at version 0 + the journaled delta): once the late site
+    # left it made version 1; the site's next delta made version 2
+    assert version == 2 and sites["local-0"].pushes == 2
+    assert "version 0, open round of 1 delta restored" in log.read_text()
     syncs = [r for r in site_metrics(tmp_path) if "train/loss" in r]
-    assert [r["sync/version"] for r in syncs] == [0, 1]  # sync 1 ended on the local model, at the version pushed to
+    assert [r["sync/version"] for r in syncs] == [0, 2]  # sync 1 ended on the local model, at the version pushed to
     _, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
-    assert meta["version"] == 1 and meta["global_model"] and meta["base_global"]  # the global model again
+    assert meta["version"] == 2 and meta["global_model"] and meta["base_global"]  # the global model again
     assert meta["sampler"]["draws"] == sum(r["sync/local_steps"] for r in syncs)
 
 

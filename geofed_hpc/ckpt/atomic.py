@@ -51,7 +51,8 @@ def clean_temp_files(directory: Path, match: Callable[[str], bool]) -> list[Path
     return removed
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make the renames and removals in `directory` durable (where the platform allows)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # platforms without directory fds
@@ -90,4 +91,4 @@ def atomic_write_bytes(path: Path, data: Chunk | Iterable[Chunk]) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)

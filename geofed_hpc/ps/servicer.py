@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from geofed_hpc import codec
 from geofed_hpc.errors import (
@@ -20,6 +21,8 @@ from geofed_hpc.errors import (
 )
 from geofed_hpc.log import logger
 from geofed_hpc.ps.aggregate import Params, staleness_discount
+from geofed_hpc.ps.journal import sync_file
+from geofed_hpc.ps.rounds import Prepared
 from geofed_hpc.ps.sessions import Session
 from geofed_hpc.ps.state import Contribution, GlobalState
 from geofed_hpc.rpc import messages as m
@@ -34,7 +37,12 @@ class ParameterServerLogic(GlobalState):
     A push is received into a staging file and verified (length, sha256) before anything is decoded; a pool of
     `ps.decode_threads` threads decodes verified pushes and folds them into the open round. At most
     `ps.max_concurrent_pushes` streams are read and `ps.max_concurrent_downloads` sent at once; the others wait.
+    With a state directory, a delta admitted to a round that stays open is journaled before it is answered.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._replay_journal()
 
     # ---------------------------------------------------------------- RPCs
     def join(self, request: m.JoinRequest) -> m.JoinReply:
@@ -206,10 +214,12 @@ class ParameterServerLogic(GlobalState):
 
     def _apply_staged(self, session: Session, header: m.PushHeader, path: Path) -> m.PushReply:
         payload = path.read_bytes()
-        path.unlink()
         if header.init:
             return self._apply_init(session, header, payload)
-        return self._apply_delta(session, header, payload)
+        journaled = self.journal is not None and self.cfg.aggregation != "async"  # a round that stays open
+        if journaled:
+            sync_file(path)  # on disk before the journal may take it (outside the lock)
+        return self._apply_delta(session, header, payload, path if journaled else None)
 
     def _decode(self, payload: bytes, header: m.PushHeader, expected: dict | None) -> Params:
         """Decode a verified payload; its bytes arrived intact, so any fault is in what the site sent."""
@@ -229,29 +239,17 @@ class ParameterServerLogic(GlobalState):
             self._seed(params, max(0, header.base_version), f"site {session.site}")
             return self._remember(header.push_id, m.PushReply(True, self.version))
 
-    def _apply_delta(self, session: Session, header: m.PushHeader, payload: bytes) -> m.PushReply:
-        delta = self._decode(payload, header, self._spec)
-        with self._cond:
-            self.exchange.check(delta, self.version, self._shapes)  # before folding: it cannot be undone
+    def _apply_delta(
+        self, session: Session, header: m.PushHeader, payload: bytes, staged: Path | None = None
+    ) -> m.PushReply:
+        """Fold a verified delta into the open round; `staged`: its payload file, journaled while the round is
+        open (the reply "accepted" comes after that, so a PS killed later still has it on restart)."""
         nbytes = len(payload)
+        prepared = self._prepare(header, payload)
         del payload
-        prepared = self.rounds.prepare(delta, header.session_id, header.local_steps, header.tokens)
-        del delta
         with self._cond:
-            staleness = self.version - header.base_version
-            if staleness > self.cfg.max_staleness or staleness < 0:
-                self.rounds.discard(prepared)
-                raise StaleError(f"delta is {staleness} versions stale (max {self.cfg.max_staleness}): pull again")
-            self.rounds.admit(prepared, staleness_discount(staleness))
-            self._contributions.append(Contribution(session.site, staleness, header.tokens, nbytes))
-            session.pushes += 1
-            session.tokens += header.tokens
-            session.last_base_version = header.base_version
-            session.last_train_loss = header.train_loss
-            session.last_push, session.last_staleness = self._clock(), staleness
-            session.bytes_received += nbytes
-            self.pushes_total += 1
-            self.bytes_received_total += nbytes
+            staleness = self._admit(prepared, header, session.site, nbytes)
+            self._count(session, header, staleness, nbytes)
             self._site_metrics(
                 session.site,
                 {
@@ -266,7 +264,10 @@ class ParameterServerLogic(GlobalState):
             # Remembered before the round may close: a snapshot written then must know this push was applied,
             # or its retransmission after a restart from that snapshot would be applied a second time.
             self._remember(header.push_id, m.PushReply(True, self.version, "", staleness))
+            open_at = self.version
             self._maybe_close()
+            if staged is not None and self.version == open_at:
+                self._journal(staged, header, session.site)
             logger.info(
                 "push from %s (base %d, staleness %d, norm %.3g, %d bytes) accepted; version %d",
                 session.site,
@@ -277,6 +278,69 @@ class ParameterServerLogic(GlobalState):
                 self.version,
             )
             return self._remember(header.push_id, m.PushReply(True, self.version, "", staleness))
+
+    def _prepare(self, header: m.PushHeader, payload: bytes) -> Prepared:
+        """Decode, check and prepare (clip, normalise, spool) a delta; nothing is folded yet."""
+        delta = self._decode(payload, header, self._spec)
+        with self._cond:
+            self.exchange.check(delta, self.version, self._shapes)  # before folding: it cannot be undone
+        return self.rounds.prepare(delta, header.session_id, header.local_steps, header.tokens)
+
+    def _admit(self, prepared: Prepared, header: m.PushHeader, site: str, nbytes: int) -> int:
+        """Fold a prepared delta into the open round; its staleness (hold the lock)."""
+        staleness = self.version - header.base_version
+        if staleness > self.cfg.max_staleness or staleness < 0:
+            self.rounds.discard(prepared)
+            raise StaleError(f"delta is {staleness} versions stale (max {self.cfg.max_staleness}): pull again")
+        self.rounds.admit(prepared, staleness_discount(staleness))
+        self._contributions.append(Contribution(site, staleness, header.tokens, nbytes))
+        return staleness
+
+    def _count(self, session: Session, header: m.PushHeader, staleness: int, nbytes: int) -> None:
+        """A site's push statistics (hold the lock)."""
+        session.pushes += 1
+        session.tokens += header.tokens
+        session.last_base_version = header.base_version
+        session.last_train_loss = header.train_loss
+        session.last_push, session.last_staleness = self._clock(), staleness
+        session.bytes_received += nbytes
+        self.pushes_total += 1
+        self.bytes_received_total += nbytes
+
+    def _journal(self, staged: Path, header: m.PushHeader, site: str) -> None:
+        assert self.journal is not None
+        try:
+            self.journal.record(staged, header, site, self.version)
+        except OSError as exc:  # the delta is in the round already: it stays, only a crash before it closes loses it
+            logger.error(
+                "could not journal the push from %s (%s): a PS crash before the round closes loses it", site, exc
+            )
+
+    def _replay_journal(self) -> None:
+        """After a restart: the deltas of the open round the journal kept, folded in again (and their push ids
+        remembered, so a site's retransmission is answered as a duplicate)."""
+        if self.journal is None:
+            return
+        replayed = 0
+        for entry in self.journal.entries():
+            h = entry.header
+            if not self.initialized or entry.version != self.version or h.push_id in self._push_ids:
+                self.journal.drop(entry)  # a round the snapshot holds already (or of another model)
+                continue
+            try:
+                prepared = self._prepare(h, entry.payload)
+                with self._cond:
+                    staleness = self._admit(prepared, h, entry.site, len(entry.payload))
+                    session = self.sessions.sessions.get(h.session_id)
+                    if session is not None:
+                        self._count(session, h, staleness, len(entry.payload))
+                    self._remember(h.push_id, m.PushReply(True, self.version, "", staleness))
+                replayed += 1
+            except GeofedError as exc:
+                logger.warning("journaled push from %s not replayed: %s", entry.site, exc)
+                self.journal.drop(entry)
+        if replayed:
+            logger.info("open round at version %d: %d journaled delta(s) replayed", self.version, replayed)
 
     def _remember(self, push_id: str, reply: m.PushReply) -> m.PushReply:
         self._push_ids[push_id] = reply

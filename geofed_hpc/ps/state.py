@@ -20,6 +20,7 @@ from geofed_hpc.log import logger
 from geofed_hpc.paradigms.exchange import Exchange
 from geofed_hpc.ps.aggregate import OuterOptimizer, Params, add_update
 from geofed_hpc.ps.downlink import Downlink
+from geofed_hpc.ps.journal import RoundJournal
 from geofed_hpc.ps.persist import PSState, Snapshots, load_init
 from geofed_hpc.ps.rounds import Rounds
 from geofed_hpc.ps.sessions import SessionTable
@@ -102,6 +103,7 @@ class GlobalState:
         down = CodecConfig(name=cfg.downlink_codec or run_codec, block_size=settings.block_size)
         self.downlink = Downlink(down, cfg.downlink_history, state / "updates" if state else None)
         self._snapshots = Snapshots(state) if state else None
+        self.journal = RoundJournal(state / "round") if state else None  # the open round's deltas (journal.py)
         self.snapshot_version = -1
         self._model_cache: tuple[int, bytes, bytes] | None = None
         self._chain_cache: OrderedDict[int, tuple[bytes, bytes, list[int]]] = OrderedDict()
@@ -138,6 +140,8 @@ class GlobalState:
         self._adopt(params, version)
         self.outer.load_state({})
         self.downlink.reset()
+        if self.journal is not None:
+            self.journal.clear()  # a new model: no open round from before it
         if version > 0 and source.startswith("site"):
             logger.warning("global model re-seeded at version %d by %s (the PS had no state)", version, source)
         else:
@@ -213,6 +217,12 @@ class GlobalState:
         logger.debug("snapshot of version %d written to %s", self.version, path)
         fault("ps.snapshot", str(self.version))
 
+    def _snapshotted(self) -> None:
+        """No round is open now: once a snapshot holds the current version, the journaled rounds are in it
+        (until then they stay, and a restart from the older snapshot replays the ones of its version)."""
+        if self.journal is not None and self.snapshot_version == self.version and not self.rounds.count:
+            self.journal.clear()
+
     def _new_version_caches(self) -> None:
         self._model_cache = None
         self._chain_cache.clear()
@@ -232,6 +242,7 @@ class GlobalState:
             applied = self.downlink.publish(self.version, update)
         except (GeofedError, ValueError) as exc:
             logger.error("round at version %d discarded: %s", self.version, exc)
+            self._snapshotted()
             return
         fault("ps.aggregate", str(self.version))
         add_update(self.params, self.exchange.expand(applied, self.version, self._shapes))
@@ -251,6 +262,7 @@ class GlobalState:
         )
         if self.version % self.cfg.snapshot_every == 0:
             self._snapshot()
+        self._snapshotted()
         self._cond.notify_all()
         logger.info("update from %d deltas (%s) -> version %d", count, why, self.version)
 
@@ -275,6 +287,7 @@ class GlobalState:
             if self.initialized and self.rounds.count:
                 self._close_round("shutdown: applying the open round early")
             self._snapshot()
+            self._snapshotted()
             self.rounds.clear()
         self._decoders.shutdown(wait=True)
         self.staging.close()

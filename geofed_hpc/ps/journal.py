@@ -1,0 +1,110 @@
+"""The open round on disk: the verified bytes and header of each delta admitted to a round that is still open, so
+that a PS killed before the round closes gets that round back on restart (an accepted push is never lost).
+
+Only `sync` and `buffered` rounds stay open after a push; an `async` push closes its round at once and the
+snapshot written then holds it. Entries go when a snapshot holds their round (`clear`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from geofed_hpc.ckpt.atomic import atomic_write_bytes, clean_temp_files, fsync_dir
+from geofed_hpc.log import logger
+from geofed_hpc.rpc import messages as m
+from geofed_hpc.rpc.stream import digest
+from geofed_hpc.testing.faults import fault
+
+
+@dataclass
+class Entry:
+    """One journaled delta: admitted at `version` (the global version of its open round)."""
+
+    version: int
+    site: str
+    header: m.PushHeader
+    payload: bytes
+
+
+def sync_file(path: Path) -> None:
+    """Flush a file's bytes to disk (a staged push, before the journal takes it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class RoundJournal:
+    """`<name>.push` (the payload, moved from staging) and `<name>.json` (header, site, version) per delta in
+    `directory`. The JSON is written last and atomically: an entry without it, or whose payload does not match
+    the checksum it names, is incomplete and removed."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        clean_temp_files(directory, lambda target: target.endswith(".json"))
+
+    def record(self, staged: Path, header: m.PushHeader, site: str, version: int) -> None:
+        """Keep a verified staged payload (already fsynced, see `sync_file`) as an entry of the round open at
+        `version`. Call with the PS lock held, before the push is answered."""
+        name = f"{time.time_ns():020d}-{header.push_id[:32]}"
+        target = self.directory / f"{name}.push"
+        try:
+            os.replace(staged, target)  # staging usually lives in the same state directory
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            shutil.copyfile(staged, target)  # ps.staging_dir on another file system
+            sync_file(target)
+        fsync_dir(self.directory)
+        fields = asdict(header)
+        fields["sha256"] = header.sha256.hex()
+        meta = {"version": version, "site": site, "header": fields}
+        atomic_write_bytes(self.directory / f"{name}.json", json.dumps(meta).encode())
+        fault("ps.journal", header.push_id)
+
+    def entries(self) -> list[Entry]:
+        """Every complete entry, oldest first; incomplete or damaged ones are removed with a warning."""
+        out: list[Entry] = []
+        for meta_path in sorted(self.directory.glob("*.json")):
+            payload_path = meta_path.with_suffix(".push")
+            try:
+                meta = json.loads(meta_path.read_text())
+                fields = dict(meta["header"])
+                fields["sha256"] = bytes.fromhex(fields["sha256"])
+                header = m.PushHeader(**fields)
+                payload = payload_path.read_bytes()
+                if len(payload) != header.total_bytes or digest(payload) != header.sha256:
+                    raise ValueError(f"{payload_path.name} does not match its checksum")
+                out.append(Entry(int(meta["version"]), str(meta["site"]), header, payload))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                logger.warning("round journal entry %s is damaged (%s); dropped", meta_path.name, exc)
+                self._remove(meta_path.stem)
+        complete = {p.stem for p in self.directory.glob("*.json")}
+        for orphan in self.directory.glob("*.push"):  # killed between the payload's move and its header
+            if orphan.stem not in complete:
+                orphan.unlink(missing_ok=True)
+        return out
+
+    def drop(self, entry: Entry) -> None:
+        for meta_path in self.directory.glob(f"*-{entry.header.push_id[:32]}.json"):
+            self._remove(meta_path.stem)
+
+    def clear(self) -> None:
+        """A snapshot holds every journaled round now."""
+        for path in self.directory.iterdir():
+            if path.suffix in (".json", ".push") and path.is_file():
+                path.unlink(missing_ok=True)
+
+    def _remove(self, stem: str) -> None:
+        for suffix in (".json", ".push"):
+            with contextlib.suppress(OSError):
+                (self.directory / f"{stem}{suffix}").unlink()
