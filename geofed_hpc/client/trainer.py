@@ -28,11 +28,7 @@ from geofed_hpc.client.runtime import build_runtime
 from geofed_hpc.client.telemetry import RttMeter, SyncTimer, gpu_metrics, preemptions, rss_gb
 from geofed_hpc.client.throttle import Throttle
 from geofed_hpc.config import CodecConfig, RunConfig, to_dict
-from geofed_hpc.errors import (
-    GeofedError,
-    StaleError,
-    UnavailableError,
-)
+from geofed_hpc.errors import GeofedError, StaleError, UnavailableError
 from geofed_hpc.log import logger
 from geofed_hpc.metrics import Recorder
 from geofed_hpc.rpc import messages as m
@@ -52,7 +48,8 @@ class SyncResult:
 
 
 class SiteTrainer(Checkpointing, Joining, RidesOutages):
-    """Trains one site's model and keeps it in step with the parameter server."""
+    """Trains one site's model and keeps it in step with the parameter server. Its parts: checkpoints
+    (checkpointing.py), join, seed, resume and pull (joining.py), riding out an unreachable PS (resilience.py)."""
 
     def __init__(self, cfg: RunConfig, site_index: int, ps_address: str) -> None:
         self.cfg = cfg
