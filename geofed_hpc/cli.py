@@ -8,7 +8,6 @@ import sys
 import time
 import typing
 from dataclasses import replace
-from datetime import timedelta
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from geofed_hpc import __version__
+from geofed_hpc.commands import HANDLERS, OPTIONS
 from geofed_hpc.config import RunConfig, from_dict
 from geofed_hpc.errors import ConfigError, GeofedError
 from geofed_hpc.log import logger, setup_logging
@@ -42,13 +42,10 @@ COMMANDS = {
     "token list": "list the issued tokens: ids, sites, created, expires, revoked (never a secret)",
     "data prepare": "tokenize data.source into site.num_sites token shards + a validation shard under RUN_DIR/data",
 }
-# Switches of this invocation that only some commands read (main sets them).
-OPTIONS = argparse.Namespace(dry_run=False, follow=False, init_from="", ttl="", token_id="", site_given=False)
 # Commands whose first plain word (no '=') is the run directory.
 RUN_DIR_ARG = ("report", "wandb sync")
 # Commands whose first plain word is a token id.
 TOKEN_ID_ARG = ("token revoke",)
-PS_PROBE_TIMEOUT = timedelta(seconds=5)
 EXAMPLES = """examples:
   geofed-hpc launch site=local model=tiny             # local federation: PS + 2 sites on this machine
   geofed-hpc launch train.max_syncs=3 site.num_sites=3
@@ -194,290 +191,6 @@ def _launch_each(sites: list[str], overrides: list[str], args: argparse.Namespac
         if code:
             return code
     return 0
-
-
-def cmd_launch(cfg: RunConfig) -> int:
-    if cfg.site.executor == "slurm":
-        return _launch_slurm(cfg)
-    if OPTIONS.dry_run:
-        print(f"site {cfg.site.name} runs {cfg.site.num_sites} processes here (submitit LocalExecutor): no sbatch file")
-        return 0
-    from geofed_hpc.launch.local import launch_local
-    from geofed_hpc.ps.app import ParameterServer
-    from geofed_hpc.rpc.client import PSClient
-
-    run_dir = Path(cfg.run_dir).expanduser().resolve()
-    cfg = replace(cfg, run_dir=str(run_dir))
-    ps = None
-    if cfg.site.embedded_ps:
-        state_dir = cfg.ps.state_dir or str(run_dir / "ps")
-        ps = ParameterServer(replace(cfg, ps=replace(cfg.ps, state_dir=state_dir)))
-        address = ps.address
-        print(f"parameter server (embedded) on {address}, state in {state_dir}", flush=True)
-    else:
-        address = cfg.ps.dial_address()
-        with PSClient(cfg.ps, address) as probe:
-            probe.connect()
-    try:
-        launch_local(cfg, address)
-    finally:
-        if ps is not None:
-            ps.stop()
-    print(f"run directory: {run_dir} (W&B offline runs under {run_dir / 'metrics' / 'wandb'})", flush=True)
-    return 0
-
-
-def _launch_slurm(cfg: RunConfig) -> int:
-    from geofed_hpc.config import to_dict
-    from geofed_hpc.errors import UnavailableError
-    from geofed_hpc.launch.executor import check_slurm_site, job_folder, sbatch_preview, site_names, site_run_dir
-    from geofed_hpc.launch.manifest import record_jobs
-    from geofed_hpc.launch.slurm import preflight, submit_site
-    from geofed_hpc.rpc.client import PSClient
-
-    check_slurm_site(cfg)
-    run_dir = site_run_dir(cfg, strict=not OPTIONS.dry_run)
-    if OPTIONS.dry_run:
-        for index, name in enumerate(site_names(cfg)):
-            print(f"# ---- {name}: {job_folder(run_dir, name) / '%j_submission.sh'} (not submitted)")
-            print(sbatch_preview(cfg, index, run_dir))
-        return 0
-    if not cfg.ps.address:
-        raise ConfigError("ps.address: Slurm site jobs dial the parameter server; set ps.address=host:port")
-    preflight(cfg)
-    try:
-        with PSClient(replace(cfg.ps, connect_timeout=PS_PROBE_TIMEOUT)) as probe:
-            probe.connect()
-    except UnavailableError as exc:
-        logger.warning("%s; submitting anyway: the jobs retry for ps.connect_timeout when they start", exc)
-    records = submit_site(cfg, cfg.ps.address)
-    manifest = record_jobs(run_dir, cfg.federation, cfg.ps.address, cfg.site.name, to_dict(cfg), records)
-    for r in records:
-        print(f"submitted {r.site}: job {r.job_id}\n  stdout {r.stdout}\n  stderr {r.stderr}", flush=True)
-    print(f"run directory: {run_dir} (manifest {manifest.name}; checkpoints under sites/)")
-    site = f"site={cfg.site.name}"
-    print(f"next: geofed-hpc status {site} | geofed-hpc logs {site} --follow | geofed-hpc cancel {site}")
-    return 0
-
-
-def cmd_ps_up(cfg: RunConfig) -> int:
-    from geofed_hpc.launch.progress import PSProgress
-    from geofed_hpc.ps.app import ParameterServer
-
-    def expand(path: str) -> str:
-        return str(Path(path).expanduser()) if path else ""
-
-    init_from = OPTIONS.init_from or cfg.ps.init_from
-    ps_cfg = replace(cfg.ps, state_dir=expand(cfg.ps.state_dir), init_from=expand(init_from))
-    server = ParameterServer(replace(cfg, ps=ps_cfg))
-    logic = server.logic
-    model = f"version {logic.version}" if logic.initialized else "no model yet (the first site uploads it)"
-    if logic.rounds.count:  # a round that was open when the PS stopped, replayed from its journal
-        n = logic.rounds.count
-        model += f", open round of {n} delta{'s' if n != 1 else ''} restored"
-    print(
-        f"parameter server on {cfg.ps.host}:{server.port} ({'plaintext' if cfg.ps.insecure else 'TLS'}, "
-        f"{cfg.ps.aggregation}, {model}); Ctrl-C or SIGTERM to stop",
-        flush=True,
-    )
-    table = None if cfg.verbosity < 0 else PSProgress(sys.stdout)  # --quiet: no line per version
-
-    def progress() -> None:
-        if table is not None:
-            table.poll(logic.applied_since(table.last), logic.global_val_loss())
-
-    if table is not None:
-        table.start(logic.version)
-    server.wait_for_signal(progress)  # SIGTERM: finish pushes in flight, apply the open round, write a snapshot
-    if table is not None:
-        progress()
-        table.flush()
-    where = f", snapshot of version {logic.snapshot_version} in {ps_cfg.state_dir}" if ps_cfg.state_dir else ""
-    print(f"parameter server stopped at version {logic.version}{where}", flush=True)
-    return 0
-
-
-def _launched_jobs(cfg: RunConfig, only_site: bool) -> tuple[Any, dict[str, Any]]:
-    """The run directory's launch manifest and its newest job per site (of cfg.site only if `only_site`)."""
-    from geofed_hpc.launch.executor import site_run_dir
-    from geofed_hpc.launch.manifest import load_manifest
-
-    run_dir = site_run_dir(cfg)
-    manifest = load_manifest(run_dir)
-    if manifest is None:
-        if only_site:
-            raise ConfigError(f"run_dir: nothing was launched into {run_dir} (no launch.json); check site=, run_dir=")
-        return None, {}
-    jobs = manifest.latest(cfg.site.name if only_site else None)
-    if only_site and not jobs:
-        launched = sorted({j.cluster_site for j in manifest.jobs})
-        raise ConfigError(f"site: no {cfg.site.name} jobs in {run_dir}; launched there: {', '.join(launched)}")
-    return manifest, jobs
-
-
-def cmd_status(cfg: RunConfig) -> int:
-    from geofed_hpc.rpc.client import PSClient
-
-    manifest, jobs = _launched_jobs(cfg, only_site=False)
-    if jobs:
-        from geofed_hpc.launch.jobs import jobs_table
-        from geofed_hpc.launch.slurm import job_states
-
-        print(jobs_table(jobs, job_states([j.job_id for j in jobs.values()])))
-        print()
-    address = cfg.ps.address or (manifest.ps_address if manifest else "")
-    with PSClient(cfg.ps, address or None) as client:
-        client.connect()
-        st = client.status()
-
-    def ago(seconds: float) -> str:
-        return "-" if seconds < 0 else f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
-
-    def size(n: int) -> str:
-        return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
-
-    mode = st.aggregation + (f"/{st.outer_optimizer}" if st.outer_optimizer else "")
-    mode += f"/{st.robust}" if st.robust not in ("", "none") else ""
-    snapshot = f"v{st.snapshot_version}" if st.snapshot_version >= 0 else "none"
-    print(
-        f"version {st.version}  initialized {st.initialized}  mode {mode}  params {st.num_params:,}  "
-        f"uptime {ago(st.uptime_s)}  sites {st.active_sites}/{len(st.sites)} active  pending deltas "
-        f"{st.pending_deltas}  pushes in flight {st.pushes_in_flight}  snapshot {snapshot}  "
-        f"updates kept {st.updates_kept}"
-    )
-    head = ("site", "state", "version", "pushes", "last push", "stale", "tokens", "received", "loss", "refused", "seen")
-    print(f"{head[0]:<16}{head[1]:<8}" + "".join(f"{h:>11}" for h in head[2:]))
-    for s in sorted(st.sites, key=lambda s: s.site):
-        cells = [s.version, s.pushes, ago(s.last_push_s), s.last_staleness, f"{s.tokens:,}", size(s.bytes_received)]
-        cells += [f"{s.last_train_loss:.4f}", s.refused, ago(s.last_seen_s)]
-        print(f"{s.site:<16}{s.state:<8}" + "".join(f"{c!s:>11}" for c in cells))
-    return 0
-
-
-def cmd_cancel(cfg: RunConfig) -> int:
-    from geofed_hpc.launch.slurm import cancel_jobs, job_states
-
-    _, jobs = _launched_jobs(cfg, only_site=True)
-    states = job_states([j.job_id for j in jobs.values()])
-    live = [j.job_id for j in jobs.values() if states[j.job_id].active]
-    cancel_jobs(live)
-    for name, job in jobs.items():
-        done = "cancelled (it checkpoints, then ends)" if job.job_id in live else f"already {states[job.job_id].state}"
-        print(f"{name}: job {job.job_id} {done}")
-    return 0
-
-
-def cmd_logs(cfg: RunConfig) -> int:
-    from geofed_hpc.launch.jobs import follow_logs, print_logs
-
-    _, jobs = _launched_jobs(cfg, only_site=True)
-    print_logs(jobs)
-    if OPTIONS.follow:
-        follow_logs(jobs)
-    return 0
-
-
-def cmd_report(cfg: RunConfig) -> int:
-    from geofed_hpc.metrics.report import write_report
-
-    path, text = write_report(Path(cfg.run_dir).expanduser())
-    print(text)
-    print(f"wrote {path}")
-    return 0
-
-
-def cmd_wandb_sync(cfg: RunConfig) -> int:
-    from geofed_hpc.metrics.wandb_sync import sync_offline_runs
-
-    return sync_offline_runs(Path(cfg.run_dir).expanduser())
-
-
-def cmd_ps_init(cfg: RunConfig) -> int:
-    from geofed_hpc.rpc.tls import describe, init_pki
-
-    result = init_pki(cfg.ps, cfg.federation)
-    f = result.files
-    for path in result.created:
-        print(f"wrote {path}")
-    for path in result.kept:
-        print(f"kept  {path} (exists)")
-    print(describe(f.server_cert))
-    print(
-        f"\nPS:    geofed-hpc ps up ps=cloud ps.cert_file={f.server_cert} ps.key_file={f.server_key}"
-        + (f" ps.client_ca_file={f.ca_cert}   # mutual TLS" if cfg.ps.tls_sites else "")
-    )
-    print(f"sites: copy {f.ca_cert} (public) to each site and pass ps.ca_file=<its path> ps.insecure=false")
-    for site in cfg.ps.tls_sites:
-        crt, key = f.site(site)
-        print(f"       {site}: also copy {crt} and {key} (secret), pass ps.client_cert_file=... ps.client_key_file=...")
-    print(f"keep {f.ca_key} secret: it signs certificates for this federation")
-    return 0
-
-
-def _token_file(cfg: RunConfig) -> Any:
-    from geofed_hpc.ps.tokens import TokenFile, tokens_path
-
-    return TokenFile(tokens_path(cfg.ps.state_dir))
-
-
-def cmd_token_issue(cfg: RunConfig) -> int:
-    from geofed_hpc.config import parse_duration
-
-    if not OPTIONS.site_given:
-        raise ConfigError("site: say which site the token admits, e.g. `geofed-hpc token issue site=osc`")
-    ttl = parse_duration(OPTIONS.ttl, "--ttl") if OPTIONS.ttl else cfg.ps.token_ttl
-    tokens = _token_file(cfg)
-    token, record = tokens.issue(cfg.site.name, ttl)
-    expires = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(record.expires)) if record.expires else "never"
-    print(f"token {record.id} for site {record.site} (expires {expires}); stored as a hash in {tokens.path}")
-    print("shown once; pass it to the site as site.token=... (keep it secret):")
-    print(token)
-    return 0
-
-
-def cmd_token_revoke(cfg: RunConfig) -> int:
-    if not OPTIONS.token_id and not OPTIONS.site_given:
-        raise ConfigError("token revoke: name a token id (`token revoke ID`) or a site (`token revoke site=osc`)")
-    site = "" if OPTIONS.token_id else cfg.site.name
-    for r in _token_file(cfg).revoke(site=site, token_id=OPTIONS.token_id):
-        print(f"revoked token {r.id} of site {r.site}; its sessions end at their next call")
-    return 0
-
-
-def cmd_token_list(cfg: RunConfig) -> int:
-    from geofed_hpc.ps.tokens import token_table
-
-    tokens = _token_file(cfg)
-    records = tokens.read()
-    print(token_table(records) if records else f"no tokens issued in {tokens.path}")
-    return 0
-
-
-def cmd_data_prepare(cfg: RunConfig) -> int:
-    from geofed_hpc.data.shards import prepare_shards
-
-    out = Path(cfg.run_dir).expanduser() / "data"
-    index = prepare_shards(cfg.data, out, cfg.site.shards)
-    tokens = sum(s.tokens for s in index.train) + (index.val.tokens if index.val else 0)
-    print(f"{tokens:,} {index.dtype} tokens in {len(index.train)} site shards + validation under {out}")
-    print(f"train with: data.source={out}")
-    return 0
-
-
-HANDLERS = {
-    "launch": cmd_launch,
-    "ps up": cmd_ps_up,
-    "ps init": cmd_ps_init,
-    "status": cmd_status,
-    "cancel": cmd_cancel,
-    "logs": cmd_logs,
-    "report": cmd_report,
-    "wandb sync": cmd_wandb_sync,
-    "token issue": cmd_token_issue,
-    "token revoke": cmd_token_revoke,
-    "token list": cmd_token_list,
-    "data prepare": cmd_data_prepare,
-}
 
 
 def main(argv: list[str] | None = None) -> int:
