@@ -22,6 +22,8 @@ def _entry(rank: int, fn: Callable[..., None], world: int, port: int, args: tupl
     import torch
     import torch.distributed as dist
 
+    from geofed_hpc.client.distributed import holders, wait_released
+
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -30,6 +32,10 @@ def _entry(rank: int, fn: Callable[..., None], world: int, port: int, args: tupl
     )
     try:
         fn(rank, *args)
+        flag = torch.zeros(1)
+        before = holders(flag)
+        dist.broadcast(flag, src=0)  # the last collective is ours, and freed before the interpreter exits
+        wait_released(flag, before)
     finally:
         dist.destroy_process_group()
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from geofed_hpc.client.distributed import first_host, port_for, site_ranks
+from geofed_hpc.client.distributed import first_host, holders, port_for, site_ranks, wait_released
 from geofed_hpc.client.microbatch import (
     cache_key,
     cpu_micro_batch,
@@ -138,6 +141,26 @@ def test_cpu_budget_estimate() -> None:
     assert cpu_micro_batch(CFG, n_params=10_000, world_size=1, limit=4, budget=10**12) == 4
     assert cpu_micro_batch(CFG, n_params=10**9, world_size=1, limit=64, budget=10**9) == 1
     assert 1 <= cpu_micro_batch(CFG, n_params=10_000, world_size=2, limit=64) <= 64
+
+
+def test_wait_released_waits_until_another_thread_lets_go_of_the_tensor() -> None:
+    """What a gloo worker does after a collective returned (it still holds the tensor), played by a thread."""
+    tensor = torch.zeros(4)
+    before = holders(tensor)
+    holder = [tensor]  # the collective's reference
+    gone = threading.Event()
+
+    def worker() -> None:
+        time.sleep(0.2)  # still busy with the finished collective when the caller moves on
+        holder.clear()
+        gone.set()
+
+    threading.Thread(target=worker).start()
+    wait_released(tensor, before)
+    assert gone.is_set() and holders(tensor) == before
+    holder.append(tensor)  # never dropped: the wait ends at its timeout, the reference is still there
+    wait_released(tensor, before, timeout=timedelta(milliseconds=50))
+    assert len(holder) == 1 and holder[0] is tensor
 
 
 def _batch(cfg: ModelConfig, b: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

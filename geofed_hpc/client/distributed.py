@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+import time
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,6 +19,8 @@ from geofed_hpc.errors import ConfigError
 from geofed_hpc.log import logger
 
 PORT_BASE, PORT_SPAN = 20000, 20000
+# How long `wait_released` waits for the process group's threads to let go of a collective's tensor.
+RELEASE_TIMEOUT = timedelta(seconds=10)
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,26 @@ def init_distributed(ranks: SiteRanks, device: torch.device, timeout: timedelta)
 
 
 def close_distributed() -> None:
-    """Leave the process group, if any."""
+    """Leave the process group, if any: waits for its pending work and ends its threads (call it before the
+    interpreter exits, never after an error inside a collective: a peer may be gone mid-operation)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def holders(tensor: torch.Tensor) -> int:
+    """How many references `tensor` has now; after a collective on it, `wait_released` waits until it is back."""
+    return sys.getrefcount(tensor)
+
+
+def wait_released(tensor: torch.Tensor, before: int, timeout: timedelta = RELEASE_TIMEOUT) -> None:
+    """After a rank's last collective on `tensor`: wait (sleeping, so without the GIL) until the process group's
+    worker thread has dropped its reference, i.e. until `tensor` has the `before` holders it had.
+
+    A gloo worker frees a finished collective after the caller's wait returned, and freeing a tensor Python
+    knows needs the GIL. If the interpreter is already exiting by then, Python ends that thread in the middle
+    of a C++ destructor and the process aborts ("terminate called without an active exception") after all its
+    work was done. Only the last collective needs this: a process that goes on gives the worker its GIL.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    while sys.getrefcount(tensor) > before and time.monotonic() < deadline:
+        time.sleep(0.001)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from geofed_hpc.client.distributed import holders, wait_released
 from geofed_hpc.client.fsdp import (
     full_optimizer_state,
     full_state,
@@ -78,13 +79,20 @@ class SiteGroup:
             packet = torch.zeros(1 + _ARGS, dtype=torch.float64, device=self._comm)
             packet[0] = int(cmd)
             packet[1 : 1 + len(args)] = torch.tensor(args, dtype=torch.float64)
+            before = holders(packet)
             dist.broadcast(packet, src=0)
+            if cmd == Cmd.STOP:  # the last collective of this rank: let gloo free it before the exit
+                wait_released(packet, before)
 
     def _recv(self) -> tuple[Cmd, list[float]]:
         packet = torch.zeros(1 + _ARGS, dtype=torch.float64, device=self._comm)
+        before = holders(packet)
         dist.broadcast(packet, src=0)
         values = packet.tolist()
-        return Cmd(int(values[0])), values[1:]
+        cmd = Cmd(int(values[0]))
+        if cmd == Cmd.STOP:
+            wait_released(packet, before)
+        return cmd, values[1:]
 
     @contextlib.contextmanager
     def _collective(self, cmd: Cmd, *args: float) -> Iterator[None]:

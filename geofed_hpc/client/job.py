@@ -123,12 +123,16 @@ class ClientJob(submitit.helpers.Checkpointable):
             with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):  # stderr without a file
                 faulthandler.enable(all_threads=True)
         stopper = StopHandler(global_rank()).install()  # before the slow start: a signal then just exits
-        from geofed_hpc.client.trainer import SiteTrainer  # torch is imported here, inside the job
+        from geofed_hpc.client.distributed import close_distributed  # torch is imported here, inside the job
+        from geofed_hpc.client.trainer import SiteTrainer
 
         trainer = SiteTrainer(cfg, self.site_index, self.ps_address)
         stopper.attach(trainer)
         try:
-            return trainer.run()
+            result = trainer.run()
+        except SystemExit:  # a stop every rank of the site took together
+            close_distributed()
+            raise
         except Exception as exc:
             if trainer.stop_signal is None:
                 raise
@@ -138,6 +142,11 @@ class ClientJob(submitit.helpers.Checkpointable):
             trainer.checkpoint_after_error()
             stopper.finish(trainer.stop_signal)
             raise SystemExit(128 + trainer.stop_signal) from None
+        # Leave the process group while the interpreter still runs: a gloo worker thread that drops its last
+        # finished collective during interpreter exit needs the GIL for the tensors in it, and is ended there
+        # ("terminate called without an active exception"). Leaving joins those threads first.
+        close_distributed()
+        return result
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         logger.info(
