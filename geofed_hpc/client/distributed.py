@@ -119,10 +119,13 @@ def init_distributed(ranks: SiteRanks, device: torch.device, timeout: timedelta)
 
 
 def close_distributed() -> None:
-    """Leave the process group, if any: waits for its pending work and ends its threads (call it before the
-    interpreter exits, never after an error inside a collective: a peer may be gone mid-operation)."""
+    """Leave the process group, if any: waits for its pending work (call it before the interpreter exits, never
+    after an error inside a collective: a peer may be gone mid-operation). Best effort: the process ends next."""
     if dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("leaving the process group failed: %s", exc)
 
 
 def holders(tensor: torch.Tensor) -> int:
