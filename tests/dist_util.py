@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -22,8 +23,6 @@ def _entry(rank: int, fn: Callable[..., None], world: int, port: int, args: tupl
     import torch
     import torch.distributed as dist
 
-    from geofed_hpc.client.distributed import holders, wait_released
-
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -32,12 +31,13 @@ def _entry(rank: int, fn: Callable[..., None], world: int, port: int, args: tupl
     )
     try:
         fn(rank, *args)
-        flag = torch.zeros(1)
-        before = holders(flag)
-        dist.broadcast(flag, src=0)  # the last collective is ours, and freed before the interpreter exits
-        wait_released(flag, before)
     finally:
         dist.destroy_process_group()
+    # Done: leave without interpreter finalization. FSDP still holds the group, so its gloo worker threads live
+    # on, and one still freeing fn's last collective then would abort the process (see wait_released).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable[..., None], world: int, *args: Any) -> None:

@@ -21,6 +21,7 @@ from geofed_hpc.log import logger
 PORT_BASE, PORT_SPAN = 20000, 20000
 # How long `wait_released` waits for the process group's threads to let go of a collective's tensor.
 RELEASE_TIMEOUT = timedelta(seconds=10)
+RELEASE_LINGER = timedelta(milliseconds=20)
 
 
 @dataclass(frozen=True)
@@ -145,3 +146,4 @@ def wait_released(tensor: torch.Tensor, before: int, timeout: timedelta = RELEAS
     deadline = time.monotonic() + timeout.total_seconds()
     while sys.getrefcount(tensor) > before and time.monotonic() < deadline:
         time.sleep(0.001)
+    time.sleep(RELEASE_LINGER.total_seconds())  # the group's other worker thread may still free an earlier one
