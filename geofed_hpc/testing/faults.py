@@ -17,6 +17,7 @@ ACTIONS = ("kill", "enospc", "eio", "exit")
 #                  (label: the target file name, e.g. global-00000003.gft or site-00000002.gft)
 #   ps.aggregate   ps/state.py, a round's deltas are summed and the update is about to be applied
 #   ps.snapshot    ps/state.py, right after a snapshot file was written, before the pushes are answered
+#   ps.journal     ps/journal.py, a delta of an open round is journaled, before its push is answered
 #   rpc.push       rpc/client.py, a push's first chunk is on the wire and the rest is not
 _SPEC = re.compile(r"^(?P<point>[a-z_.]+)(\[(?P<label>[^\]]*)\])?(@(?P<nth>\d+))?=(?P<action>[a-z]+)$")
 
