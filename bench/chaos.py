@@ -73,8 +73,8 @@ class AppliedLog:
         logic = ps.logic
         original = logic._apply_delta
 
-        def recorded(session: Any, header: Any, payload: bytes) -> Any:
-            reply = original(session, header, payload)
+        def recorded(session: Any, header: Any, payload: bytes, *rest: Any) -> Any:
+            reply = original(session, header, payload, *rest)
             if reply.accepted and not reply.duplicate:
                 self.rows.append((session.site, header.push_id, reply.version))
             return reply
