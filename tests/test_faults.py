@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -189,7 +190,7 @@ def test_a_restart_replays_the_journaled_open_round_and_drops_a_damaged_entry(tm
     assert push(logic, b, 0, full(params, 2.0), push_id="pb").accepted
     entries = sorted((tmp_path / "round").glob("*.push"))
     assert len(entries) == 2 and logic.version == 0
-    damaged = next(p for p in entries if "-pb" in p.name)
+    damaged = next(p for p in entries if json.loads(p.with_suffix(".json").read_text())["header"]["push_id"] == "pb")
     damaged.write_bytes(damaged.read_bytes()[:-7])  # a torn disk write
     restarted = make("buffered", **kw)  # the first one never finished: its round lives only in the journal
     assert restarted.version == 0 and restarted.rounds.count == 1
@@ -199,6 +200,22 @@ def test_a_restart_replays_the_journaled_open_round_and_drops_a_damaged_entry(tm
     assert restarted.version == 1
     expect(restarted, a, {k: v + 3.0 for k, v in params.items()}, 1, atol=1e-6)  # mean(1, 2, 6)
     assert not list((tmp_path / "round").iterdir())
+    restarted.finish()
+
+
+def test_a_push_id_never_becomes_a_path_in_the_round_journal(tmp_path: Path) -> None:
+    """Push ids come from sites: one that looks like a path is journaled inside the journal directory and
+    replayed like any other."""
+    state = tmp_path / "state"
+    logic = make("buffered", state_dir=str(state), buffer_size=2)
+    a, _ = joined(logic, 2)
+    params = init(logic, a)
+    hostile = "../../outside/x"
+    assert push(logic, a, 0, full(params, 1.0), push_id=hostile).accepted
+    assert sorted(p.suffix for p in (state / "round").iterdir()) == [".json", ".push"]
+    assert not (tmp_path / "outside").exists() and not (state / "outside").exists()
+    restarted = make("buffered", state_dir=str(state), buffer_size=2)
+    assert restarted.rounds.count == 1 and push(restarted, a, 0, full(params, 1.0), push_id=hostile).duplicate
     restarted.finish()
 
 

@@ -142,9 +142,8 @@ class ClientJob(submitit.helpers.Checkpointable):
             trainer.checkpoint_after_error()
             stopper.finish(trainer.stop_signal)
             raise SystemExit(128 + trainer.stop_signal) from None
-        # Leave the process group while the interpreter still runs: a gloo worker thread that drops its last
-        # finished collective during interpreter exit needs the GIL for the tensors in it, and is ended there
-        # ("terminate called without an active exception"). Leaving joins those threads first.
+        # Leave the process group as torch asks (NCCL warns at exit otherwise). The abort a finished gloo rank
+        # could hit at exit is not solved here (FSDP2 still holds the group): see SiteGroup's STOP broadcast.
         close_distributed()
         return result
 

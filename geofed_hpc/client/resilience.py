@@ -121,7 +121,7 @@ class RidesOutages:
         except AuthError as exc:  # the PS answers but forgot our session: push now (joining it again first)
             logger.info("%s: the parameter server does not know us any more (%s); pushing now", self.name, exc)
             return True
-        except GeofedError as exc:  # unreachable (or the PS forgot us): the push at the interval's end says
+        except GeofedError as exc:  # unreachable: the push at the interval's end retries
             logger.debug("%s: heartbeat failed: %s", self.name, exc)
             return False
         if self.deferred.active:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -31,6 +32,7 @@ class Entry:
     site: str
     header: m.PushHeader
     payload: bytes
+    name: str  # of its files, <name>.json and <name>.push
 
 
 def sync_file(path: Path) -> None:
@@ -55,7 +57,8 @@ class RoundJournal:
     def record(self, staged: Path, header: m.PushHeader, site: str, version: int) -> None:
         """Keep a verified staged payload (already fsynced, see `sync_file`) as an entry of the round open at
         `version`. Call with the PS lock held, before the push is answered."""
-        name = f"{time.time_ns():020d}-{header.push_id[:32]}"
+        # admission order, and the push id hashed: the id comes from a site and never becomes a path
+        name = f"{time.time_ns():020d}-{hashlib.sha256(header.push_id.encode()).hexdigest()[:16]}"
         target = self.directory / f"{name}.push"
         try:
             os.replace(staged, target)  # staging usually lives in the same state directory
@@ -84,7 +87,7 @@ class RoundJournal:
                 payload = payload_path.read_bytes()
                 if len(payload) != header.total_bytes or digest(payload) != header.sha256:
                     raise ValueError(f"{payload_path.name} does not match its checksum")
-                out.append(Entry(int(meta["version"]), str(meta["site"]), header, payload))
+                out.append(Entry(int(meta["version"]), str(meta["site"]), header, payload, meta_path.stem))
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 logger.warning("round journal entry %s is damaged (%s); dropped", meta_path.name, exc)
                 self._remove(meta_path.stem)
@@ -95,8 +98,7 @@ class RoundJournal:
         return out
 
     def drop(self, entry: Entry) -> None:
-        for meta_path in self.directory.glob(f"*-{entry.header.push_id[:32]}.json"):
-            self._remove(meta_path.stem)
+        self._remove(entry.name)
 
     def clear(self) -> None:
         """A snapshot holds every journaled round now."""

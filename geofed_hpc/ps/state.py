@@ -217,7 +217,7 @@ class GlobalState:
         logger.debug("snapshot of version %d written to %s", self.version, path)
         fault("ps.snapshot", str(self.version))
 
-    def _snapshotted(self) -> None:
+    def _forget_journaled_rounds(self) -> None:
         """No round is open now: once a snapshot holds the current version, the journaled rounds are in it
         (until then they stay, and a restart from the older snapshot replays the ones of its version)."""
         if self.journal is not None and self.snapshot_version == self.version and not self.rounds.count:
@@ -242,7 +242,7 @@ class GlobalState:
             applied = self.downlink.publish(self.version, update)
         except (GeofedError, ValueError) as exc:
             logger.error("round at version %d discarded: %s", self.version, exc)
-            self._snapshotted()
+            self._forget_journaled_rounds()
             return
         fault("ps.aggregate", str(self.version))
         add_update(self.params, self.exchange.expand(applied, self.version, self._shapes))
@@ -262,7 +262,7 @@ class GlobalState:
         )
         if self.version % self.cfg.snapshot_every == 0:
             self._snapshot()
-        self._snapshotted()
+        self._forget_journaled_rounds()
         self._cond.notify_all()
         logger.info("update from %d deltas (%s) -> version %d", count, why, self.version)
 
@@ -287,7 +287,7 @@ class GlobalState:
             if self.initialized and self.rounds.count:
                 self._close_round("shutdown: applying the open round early")
             self._snapshot()
-            self._snapshotted()
+            self._forget_journaled_rounds()
             self.rounds.clear()
         self._decoders.shutdown(wait=True)
         self.staging.close()
