@@ -56,10 +56,13 @@ def test_fault_plans_parse_fire_on_the_nth_matching_hit_and_cost_nothing_unset()
 
 
 @contextmanager
-def ps_process(state: Path, port: int, plan: str = "", aggregation: str = "async") -> Iterator[subprocess.Popen]:
+def ps_process(
+    state: Path, port: int, plan: str = "", aggregation: str = "async", *overrides: str
+) -> Iterator[subprocess.Popen]:
     """`geofed-hpc ps up` (async by default, fp32, a snapshot every version) as a real process on a fixed port."""
     env = {**os.environ, faults.ENV: plan}
     args = ["ps", "up", f"ps.port={port}", f"ps.state_dir={state}", "codec=fp32", f"ps.aggregation={aggregation}"]
+    args += overrides
     proc = subprocess.Popen(
         [sys.executable, "-m", "geofed_hpc.cli", *args],
         cwd=REPO,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 
 from geofed_hpc import codec
 from geofed_hpc.config import CodecConfig
-from geofed_hpc.errors import AuthError, StaleError
+from geofed_hpc.errors import AuthError, ProtocolError, StaleError
 from geofed_hpc.ps.servicer import ParameterServerLogic
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import collect, digest, to_chunks
@@ -227,6 +229,38 @@ def test_duplicate_push_is_not_applied_twice() -> None:
     reply = logic.push_delta(iter(chunks))
     assert reply.accepted and reply.duplicate and "applied once" in reply.reason
     assert logic.version == 1 and logic.model_hash() == before
+
+
+def test_heartbeat_says_whether_an_unanswered_push_is_held() -> None:
+    """A site whose push got no reply asks about its id: not held, arriving (a stream of it is still being
+    received), applied; a refused push is not held (its work must go out again)."""
+    logic = make("async")
+    (a,) = joined(logic, 1)
+    params = init(logic, a)
+
+    def asked(push_id: str) -> str:
+        return logic.heartbeat(m.HeartbeatRequest(a, push_id=push_id)).push
+
+    assert asked("p1") == "" and logic.heartbeat(m.HeartbeatRequest(a)).push == ""
+    chunks = push_chunks(a, 0, full(params, 1.0), push_id="p1")
+    arrived, go_on = threading.Event(), threading.Event()
+
+    def slow() -> Iterator[m.Chunk]:
+        yield chunks[0]
+        arrived.set()
+        go_on.wait(30)
+        yield from chunks[1:]
+
+    pushing = threading.Thread(target=lambda: logic.push_delta(slow()))
+    pushing.start()
+    assert arrived.wait(30)
+    assert asked("p1") == "receiving"
+    go_on.set()
+    pushing.join(30)
+    assert asked("p1") == "applied" and logic.version == 1
+    with pytest.raises(ProtocolError):  # a tensor the model does not have: refused, not remembered
+        push(logic, a, 1, {"nope": np.ones(3, np.float32)}, push_id="p2")
+    assert asked("p2") == "" and logic.version == 1
 
 
 def test_rejoin_token_is_one_time_and_enroll_token_checked() -> None:

@@ -30,6 +30,7 @@ from geofed_hpc.rpc.retry import Backoff
 from tests.conftest import ps_config, small_params
 from tests.dist_util import free_port
 from tests.site_procs import Site, events, wait_for
+from tests.test_faults import ps_process
 from tests.test_site_client import BATCH, MODEL
 
 FP32 = CodecConfig(name="fp32")
@@ -138,7 +139,8 @@ def test_the_site_trains_through_an_outage_and_pushes_its_work_once(tmp_path: Pa
         tensors, meta, _ = loaded
         held = meta["pending"]["deferred"]
         assert meta["version"] == before and not meta["global_model"] and held["intervals"] >= 1
-        assert held["steps"] == meta["pending"]["steps"] >= 3 and held["push_id"]
+        assert held["steps"] == meta["pending"]["steps"] >= 3 and held["attempt"]["push_id"]
+        assert tensors["deferred/attempt"].nbytes > 0  # the bytes of the push that may have reached the PS
         assert {k[5:] for k in tensors if k.startswith("base/")} == {k[6:] for k in tensors if k.startswith("model/")}
         servers.append(ParameterServer(cfg))  # the same port and state directory: back at version `before`
         assert servers[-1].logic.version == before
@@ -230,6 +232,43 @@ def test_a_ps_back_without_its_state_is_reseeded_by_the_running_site_and_gets_it
     assert meta["version"] == 3 and meta["global_model"]
     assert all(tensors[f"model/{k}"].tobytes() == v.tobytes() for k, v in params.items())  # the PS's model
     assert meta["sampler"]["draws"] == sum(r["sync/local_steps"] for r in syncs)  # no step lost or pushed twice
+
+
+def test_a_push_applied_but_unanswered_in_an_outage_loses_no_step_and_applies_none_twice(
+    tmp_path: Path, shards: Path
+) -> None:
+    """A real `ps up` applies the site's second delta, snapshots it and is SIGKILLed before it answers; it stays
+    down past the site's retry budget, so the site trains on. When a PS restarted from that snapshot answers, the
+    site asks whether it holds the unanswered push: it does, so only the steps trained since go out, as their
+    own push. Every step the site trained reaches the global model exactly once (the PS's token count says so).
+    Before, the whole work went out under the old push id, was answered "duplicate", and the later steps were
+    lost."""
+    state, port = tmp_path / "state", free_port()
+    address = f"127.0.0.1:{port}"
+    quick = ("train.max_local_steps=3",)  # the run settings the PS hands out: 3 steps per interval
+    site_dir = tmp_path / "run" / "sites" / "local-0"
+    site = None
+    try:
+        # snapshot hits: 1 the site's init, 2 its first delta, 3 its second (killed before the reply)
+        with ps_process(state, port, "ps.snapshot@3=kill", "async", *quick) as proc:
+            site = Site(site_cfg(tmp_path, shards, port, max_syncs=3), tmp_path, address)
+            assert proc.wait(timeout=240) == -9
+        wait_for(lambda: any(e["event"] == "push_deferred" for e in events(site_dir)), 240, "a deferred push")
+        with ps_process(state, port, "", "async", *quick) as proc, PSClient(ps_config(), address) as client:
+            assert client.status().version == 2  # the unanswered delta is in the snapshot
+            assert site.wait(timeout=300) == [0], site.output()
+            status = client.status()
+    finally:
+        if site is not None:
+            site.close()
+    _, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
+    (site_status,) = status.sites
+    assert site_status.tokens == meta["sampler"]["draws"] * BATCH * MODEL.context  # no step lost or applied twice
+    assert site_status.pushes == 4 and status.version == 4
+    syncs = [r for r in site_metrics(tmp_path) if "train/loss" in r]
+    assert [r["sync/version"] for r in syncs] == [1, 3, 4]  # v2: the unanswered push, v3: the steps after it
+    asked = [e for e in events(site_dir) if e["event"] == "unanswered_push"]
+    assert [e["state"] for e in asked] == ["applied"]
 
 
 def test_sync_now_ends_a_late_sites_interval_so_the_round_closes_early(tmp_path: Path, shards: Path) -> None:

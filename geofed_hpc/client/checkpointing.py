@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from geofed_hpc.ckpt.secret import write_secret
+from geofed_hpc.client.deferred import Deferred
 from geofed_hpc.client.trainer_api import Site
 from geofed_hpc.config import RunConfig, to_dict
 from geofed_hpc.errors import CheckpointError
@@ -37,11 +38,9 @@ class Checkpointing:
             tensors.update({f"base/{k}": v for k, v in self.base.items()})
             # the id its push will carry: a job killed after that push went in, before the next checkpoint,
             # resends it from this checkpoint under the same id, and the PS does not apply it twice
-            pending = {
-                **pending,
-                "deferred": self.deferred.to_meta(),
-                "push_id": pending.get("push_id") or uuid.uuid4().hex,
-            }
+            self._work_id = self._work_id or uuid.uuid4().hex
+            pending = {**pending, "deferred": self.deferred.to_meta(), "push_id": self._work_id}
+            tensors.update(self.deferred.tensors())  # the bytes of the attempt the PS may hold, and confirmed ones
         tensors.update(self._codec_state()[0].state())  # residual/<param>: error feedback survives a requeue
         tensors.update(self.paradigm.state())  # the unpushed part of a round the paradigm keeps (zo's coefficients)
         syncs = self._syncs_after_push if pushed else self.syncs
@@ -91,10 +90,14 @@ class Checkpointing:
         self.base_global = bool(meta.get("base_global", True))
         self._codec_state()[0].load(tensors)
         self.paradigm.load_state(tensors)
+        pending = meta.get("pending") or {}
+        held = pending.get("deferred")
+        self.deferred = Deferred.from_checkpoint(held, tensors)
+        # the id its push carries (an older checkpoint's deferred work kept the id of its first attempt)
+        self._work_id = str((held or {}).get("push_id") or pending.get("push_id") or "")
         self.sampler.load_state_dict(meta["sampler"])
         self.syncs, self.tokens_seen = int(meta["syncs"]), int(meta["tokens_seen"])
         self.contribution_total = int(meta.get("contribution_total", 0))
-        pending = meta.get("pending")
         logger.info(
             "%s: loaded local checkpoint %s (version %d, %d syncs%s)",
             self.name,

@@ -11,7 +11,6 @@ import numpy as np
 from geofed_hpc import codec
 from geofed_hpc.ckpt.secret import read_secret
 from geofed_hpc.client.params import Arrays
-from geofed_hpc.client.resilience import Deferred
 from geofed_hpc.client.trainer_api import Site
 from geofed_hpc.config import CodecConfig
 from geofed_hpc.errors import AuthError, CodecError, ProtocolError, StaleError
@@ -79,6 +78,7 @@ class Joining:
                 logger.warning("%s: the PS is back at version %d (we held %d)", self.name, header.version, have)
         self.group.load_model(self._with_private(arrays))
         self.base, self.version, self.base_global = arrays, header.version, True
+        self._work_id = ""  # work since this base is new work
 
     def _with_private(self: Site, arrays: Arrays) -> Arrays:
         """The global model plus this site's private tensors (hybrid_lora's adapters), which it never sends."""
@@ -119,7 +119,6 @@ class Joining:
     ) -> str:
         """Continue an interrupted interval, or push its work and take the live model when that is fresher."""
         pending = meta.get("pending") if meta else None
-        self.deferred = Deferred.from_meta(pending.get("deferred") if pending else None)
         if meta and pending and int(meta["version"]) == self.session.version:
             self.version, held = int(meta["version"]), self.deferred
             steps, loss_sum = int(pending["steps"]) - held.steps, float(pending["loss_sum"]) - held.loss_sum
@@ -130,7 +129,7 @@ class Joining:
             self.phase = "busy"
             try:
                 loss = float(pending["loss_sum"]) / steps
-                sent, _ = self._push(client, settings, steps, loss, str(pending.get("push_id", "")))
+                sent, _ = self._push(client, settings, steps, loss)
                 self._pushed()
                 self.syncs += 1
                 rec.log(

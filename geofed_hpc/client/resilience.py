@@ -1,14 +1,18 @@
-"""Riding out an unreachable parameter server: train on, push all work since the recorded base later, as one."""
+"""Riding out an unreachable parameter server: train on; when it answers, resend the unanswered attempt byte for
+byte, then push the work trained since against the same base."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any
 
 import numpy as np
 
+from geofed_hpc import codec
+from geofed_hpc.client.deferred import Deferred
+from geofed_hpc.client.params import Arrays
 from geofed_hpc.client.trainer_api import Site
 from geofed_hpc.config import PSConfig
 from geofed_hpc.errors import AuthError, GeofedError, UnavailableError
@@ -21,46 +25,6 @@ from geofed_hpc.rpc.client import PSClient
 OFFLINE_ATTEMPT_BUDGET = timedelta(seconds=10)
 # A heartbeat between training steps waits at most this long (a PS behind a dropped link must not stall training).
 TRAINING_HEARTBEAT_TIMEOUT = timedelta(seconds=3)
-
-
-@dataclass
-class Deferred:
-    """Local work whose push failed because the PS was unreachable. It stays relative to the base version the
-    site last pulled, and goes out with the next interval's work as one delta (local - base). Every attempt
-    reuses `push_id`, so an attempt the PS got but whose reply was lost is never applied a second time."""
-
-    steps: int = 0
-    loss_sum: float = 0.0
-    intervals: int = 0
-    push_id: str = ""
-    since: float = 0.0  # time.time() of the first failed push
-
-    @property
-    def active(self) -> bool:
-        return self.intervals > 0
-
-    def record(self, steps: int, loss_sum: float, push_id: str) -> bool:
-        """One more interval could not be pushed; `steps`/`loss_sum` are the totals since the base. True for
-        the first one of an outage."""
-        first = not self.active
-        if first:
-            self.since, self.push_id = time.time(), push_id
-        self.steps, self.loss_sum, self.intervals = steps, loss_sum, self.intervals + 1
-        return first
-
-    def offline_seconds(self) -> float:
-        return time.time() - self.since if self.active else 0.0
-
-    def clear(self) -> None:
-        self.steps, self.loss_sum, self.intervals, self.push_id, self.since = 0, 0.0, 0, "", 0.0
-
-    def to_meta(self) -> dict[str, Any] | None:
-        return asdict(self) if self.active else None
-
-    @classmethod
-    def from_meta(cls, meta: dict[str, Any] | None) -> Deferred:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in (meta or {}).items() if k in names})
 
 
 def push_budget(cfg: PSConfig, deferred: Deferred) -> timedelta:
@@ -160,8 +124,11 @@ class RidesOutages:
 
     def _defer(self: Site, steps: int, loss: float, exc: UnavailableError) -> None:
         """The PS stayed unreachable for the whole retry budget: keep this work (still relative to the same base)
-        for the next push, checkpoint it with its base, train on."""
-        if self.deferred.record(steps, loss * steps, self._push_id):
+        and the bytes of the attempt that may have reached it, checkpoint both, train on."""
+        attempt = self._attempt  # None: the attempt held from before is still the unanswered one
+        if attempt is not None:
+            self._work_id = ""  # those bytes keep their id; new work gets a new one
+        if self.deferred.record(steps, loss * steps, attempt):
             logger.warning(
                 "%s: %s; training on: the %d steps since version %d go out when the PS answers again",
                 self.name,
@@ -174,3 +141,33 @@ class RidesOutages:
             self.rec.log({"sync/deferred_intervals": self.deferred.intervals, "sync/version": self.version})
         self._save(pending={"steps": steps, "loss_sum": loss * steps, "elapsed_s": 0.0})
         self._checkpointed()
+
+    def _settle_unanswered(self: Site, client: PSClient) -> bool:
+        """Ask the PS about the attempt whose reply never came. True: it holds it (its work is in; what was trained
+        since goes out on its own). False: it does not, and the whole work goes out under that attempt's push id
+        (should the old attempt still arrive first, the PS applies one of the two, never both).
+        UnavailableError: still unreachable."""
+        held = self.deferred
+        assert held.attempt is not None
+        push_id = str(held.attempt["push_id"])
+        request = m.HeartbeatRequest(self.session.session_id, self.version, push_id=push_id)
+        reply = client.heartbeat(request, budget=push_budget(self.cfg.ps, held))
+        self._event("unanswered_push", push_id=push_id, state=reply.push or "not held", version=reply.version)
+        if reply.push != "applied":
+            self._work_id = push_id
+            held.forget_attempt()
+            return False
+        logger.info("%s: the PS applied our push %s (only its reply was lost)", self.name, push_id[:8])
+        self.timer.contribution += int(held.attempt["tokens"])
+        self.contribution_total += int(held.attempt["tokens"])
+        self._push_version = reply.version
+        held.confirm()
+        return True
+
+    def _remaining(self: Site, update: Arrays) -> Arrays:
+        """`update` (local - base) less the confirmed attempts of this outage (their decoded payloads), in place:
+        the work the PS does not hold yet. Their codec error stays in it; the old residual is added on encoding."""
+        for payload in self.deferred.applied:
+            for name, value in codec.decode(payload).items():
+                update[name] -= value
+        return update

@@ -21,9 +21,10 @@ from geofed_hpc import codec
 from geofed_hpc.ckpt import CheckpointStore
 from geofed_hpc.ckpt.best import BestCheckpoints
 from geofed_hpc.client.checkpointing import Checkpointing
+from geofed_hpc.client.deferred import Deferred
 from geofed_hpc.client.joining import Joining
 from geofed_hpc.client.params import Arrays
-from geofed_hpc.client.resilience import Deferred, HeartbeatClock, RidesOutages, push_budget
+from geofed_hpc.client.resilience import HeartbeatClock, RidesOutages, push_budget
 from geofed_hpc.client.runtime import build_runtime
 from geofed_hpc.client.telemetry import RttMeter, SyncTimer, gpu_metrics, preemptions, rss_gb
 from geofed_hpc.client.throttle import Throttle
@@ -81,7 +82,8 @@ class SiteTrainer(Checkpointing, Joining, RidesOutages):
         self.heartbeats = HeartbeatClock(cfg.ps.heartbeat_interval)
         self.client: PSClient | None = None
         self.rec: Recorder | None = None
-        self._push_id = ""
+        self._work_id = ""  # the push id of the work since the base: checkpoints holding that work record it
+        self._attempt: tuple[m.PushHeader, bytes] | None = None  # the push in flight (its bytes, if unanswered)
         self._push_version = 0
         self.syncs = 0
         self.tokens_seen = 0
@@ -227,14 +229,22 @@ class SiteTrainer(Checkpointing, Joining, RidesOutages):
             self._link = codec.LinkAdaptive(self.cfg.codec, self.name)
         return self._feedback, self._link
 
-    def _push(
-        self, client: PSClient, settings: m.RunSettings, steps: int, loss: float, push_id: str = ""
-    ) -> tuple[int, int]:
+    def _push(self, client: PSClient, settings: m.RunSettings, steps: int, loss: float) -> tuple[int, int]:
         """Push local - base plus the residual the codec lost last time (error feedback); codec=adaptive picks
-        the codec from the measured push throughput. `push_id`: the id a checkpoint gave this work."""
-        d = self.paradigm.wire_update(self.group.model_arrays(), self.base)  # only the exchanged tensors
-        raw = sum(v.nbytes for v in d.values())
+        the codec from the measured push throughput. After an outage the PS is first asked about the attempt whose
+        reply never came (resilience.py): only work it does not hold goes out. Returns (bytes sent, raw bytes)."""
+        self._attempt = None
+        confirmed = self.deferred.attempt is not None and self._settle_unanswered(client)
         feedback, link = self._codec_state()
+        d = self._remaining(self.paradigm.wire_update(self.group.model_arrays(), self.base))
+        raw = sum(v.nbytes for v in d.values())
+        steps -= self.deferred.applied_steps
+        if confirmed and (steps == 0 or not self.paradigm.additive):
+            if steps:
+                logger.warning("%s: %s cannot push later steps apart: %d dropped", self.name, settings.paradigm, steps)
+            elif self.paradigm.error_feedback:
+                feedback.keep(d)  # nothing new: what the codec lost rides on the next delta
+            return 0, raw
         name = settings.codec
         if name == "adaptive":
             name = link.choose(raw // 4, settings.sync_interval_s)
@@ -246,6 +256,8 @@ class SiteTrainer(Checkpointing, Joining, RidesOutages):
         else:
             payload, residual = codec.encode(d, cfg), feedback.residual
         self.timer.encode_s += time.monotonic() - t_enc
+        if not self._work_id:
+            self._work_id = uuid.uuid4().hex
         header = m.PushHeader(
             self.session.session_id,
             self.version,
@@ -254,26 +266,23 @@ class SiteTrainer(Checkpointing, Joining, RidesOutages):
             name,
             0,
             b"",
-            self.deferred.push_id or push_id or uuid.uuid4().hex,  # one id for every attempt of this work
+            self._work_id,  # every attempt of this work, and a resume from a checkpoint holding it, reuse it
             train_loss=loss,
         )
-        self._push_id = header.push_id
+        self._attempt = (header, payload)  # unanswered (UnavailableError): _defer keeps it, to ask the PS about
         t0 = time.monotonic()
         reply = client.push_delta(header, payload, budget=push_budget(self.cfg.ps, self.deferred))
+        self._attempt, self._work_id = None, ""
         link.observe(name, len(payload), raw // 4, time.monotonic() - t0)
         self.timer.push_s += time.monotonic() - t_enc
         self.timer.staleness = reply.staleness
         if reply.accepted:
             feedback.commit(residual)  # a refused push keeps the old residual; its delta is dropped
             self._push_version = reply.version
-            if reply.duplicate and self.deferred.active:
-                logger.warning(
-                    "%s: an earlier attempt of this push reached the PS (its reply was lost): it is applied once; "
-                    "the steps trained after that attempt are not in the global model",
-                    self.name,
-                )
-            if not reply.duplicate:
-                self.timer.contribution = header.tokens
+            if reply.duplicate:  # an earlier attempt of this work went in (before a restart, say): applied once
+                logger.info("%s: the PS already holds push %s; not applied twice", self.name, header.push_id[:8])
+            else:
+                self.timer.contribution += header.tokens
                 self.contribution_total += header.tokens
         else:
             logger.warning("%s: push not applied: %s", self.name, reply.reason)

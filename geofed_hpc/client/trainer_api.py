@@ -23,7 +23,7 @@ from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 
 if TYPE_CHECKING:
-    from geofed_hpc.client.resilience import Deferred
+    from geofed_hpc.client.deferred import Deferred
 
 
 class Site(Protocol):
@@ -55,7 +55,8 @@ class Site(Protocol):
     timer: SyncTimer
     _disk_model: Arrays
     _syncs_after_push: int
-    _push_id: str
+    _work_id: str
+    _attempt: tuple[m.PushHeader, bytes] | None
     _push_version: int
     _carry: tuple[int, float, float]
     phase: str
@@ -68,9 +69,7 @@ class Site(Protocol):
 
     def _checkpointed(self) -> None: ...
 
-    def _push(
-        self, client: PSClient, settings: m.RunSettings, steps: int, loss: float, push_id: str = ""
-    ) -> tuple[int, int]: ...
+    def _push(self, client: PSClient, settings: m.RunSettings, steps: int, loss: float) -> tuple[int, int]: ...
 
     def _pushed(self) -> None: ...
 

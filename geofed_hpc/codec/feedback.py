@@ -37,6 +37,14 @@ class ErrorFeedback:
     def commit(self, residual: dict[str, np.ndarray]) -> None:
         self.residual = residual
 
+    def keep(self, delta: Mapping[str, np.ndarray]) -> None:
+        """Push nothing now: `delta` plus the residual becomes the residual (it rides on the next delta)."""
+        kept = {k: np.array(v, np.float32) for k, v in delta.items()}
+        for name, r in self.residual.items():
+            if name in kept and kept[name].shape == r.shape:
+                kept[name] += r
+        self.residual = {k: v for k, v in kept.items() if v.any()}
+
     def state(self) -> dict[str, np.ndarray]:
         """Checkpoint tensors: residual/<name>."""
         return {PREFIX + k: v for k, v in self.residual.items()}

@@ -32,6 +32,7 @@ class SiteParadigm:
     """Identity (pretraining) by default; subclasses add adapters, freeze weights or change the step."""
 
     error_feedback = True  # the codec's residual rides on the next delta (the same tensors each round)
+    additive = True  # two pushes from one base add up to their sum (the work after a confirmed one can follow it)
     custom_step = False  # True: `step` replaces the optimizer step (zo)
 
     def __init__(self, cfg: ParadigmConfig, exchange: Exchange) -> None:
@@ -114,6 +115,7 @@ class ZerothOrderSite(SiteParadigm):
     theta -= lr g z locally; the push is the coefficients -lr g of the round's steps and a direction checksum."""
 
     error_feedback = False  # a residual would land on the next round's (different) directions
+    additive = False  # a push's coefficients belong to the round's directions, drawn from its start
     custom_step = True
 
     def __init__(self, cfg: ParadigmConfig, exchange: Exchange) -> None:

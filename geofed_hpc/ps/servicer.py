@@ -68,7 +68,17 @@ class ParameterServerLogic(GlobalState):
             self._maybe_close()
             pushed = self.rounds.pushed
             waiting = self.cfg.aggregation == "sync" and bool(pushed) and request.session_id not in pushed
-            return m.HeartbeatReply(self.version, sync_now=waiting)
+            return m.HeartbeatReply(self.version, sync_now=waiting, push=self._push_state(request.push_id))
+
+    def _push_state(self, push_id: str) -> str:
+        """What a site asking about its unanswered push learns (hold the lock): applied, still arriving, or not
+        held (never got, refused, or a stream that broke off); the site then knows what of its work is in."""
+        if not push_id:
+            return ""
+        if push_id in self._inflight:
+            return "receiving"
+        previous = self._push_ids.get(push_id)
+        return "applied" if previous is not None and previous.accepted else ""
 
     def status(self, request: m.StatusRequest) -> m.StatusReply:
         with self._cond:

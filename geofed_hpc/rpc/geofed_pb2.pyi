@@ -133,26 +133,30 @@ class PushReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., staleness: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("session_id", "version", "local_steps", "leaving", "val_loss")
+    __slots__ = ("session_id", "version", "local_steps", "leaving", "val_loss", "push_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
     VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     version: int
     local_steps: int
     leaving: bool
     val_loss: float
-    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[int] = ..., local_steps: _Optional[int] = ..., leaving: _Optional[bool] = ..., val_loss: _Optional[float] = ...) -> None: ...
+    push_id: str
+    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[int] = ..., local_steps: _Optional[int] = ..., leaving: _Optional[bool] = ..., val_loss: _Optional[float] = ..., push_id: _Optional[str] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("version", "sync_now")
+    __slots__ = ("version", "sync_now", "push")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SYNC_NOW_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
     version: int
     sync_now: bool
-    def __init__(self, version: _Optional[int] = ..., sync_now: _Optional[bool] = ...) -> None: ...
+    push: str
+    def __init__(self, version: _Optional[int] = ..., sync_now: _Optional[bool] = ..., push: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -93,12 +93,14 @@ class HeartbeatRequest:
     local_steps: int = 0
     leaving: bool = False
     val_loss: float = 0.0
+    push_id: str = ""  # asks whether the PS holds this push (its reply never came)
 
 
 @dataclass
 class HeartbeatReply:
     version: int
     sync_now: bool = False
+    push: str = ""  # for push_id: "applied", "receiving" or "" (not held)
 
 
 @dataclass
