@@ -271,6 +271,42 @@ def test_a_push_applied_but_unanswered_in_an_outage_loses_no_step_and_applies_no
     assert [e["state"] for e in asked] == ["applied"]
 
 
+def test_a_ps_lost_between_the_push_and_its_pull_is_reseeded_by_the_site_with_its_model(
+    tmp_path: Path, shards: Path
+) -> None:
+    """A real `ps up` applies the site's first delta, answers it, and is SIGKILLed when the site pulls the new
+    version. A PS with an empty state directory comes up on the same port while the pull still retries: it does
+    not know the session. The site trains on from its local model (the delta is in it), joins again, re-seeds
+    the PS with that model at the version its push made, and the federation goes on from there."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    site_dir = tmp_path / "run" / "sites" / "local-0"
+    quick = ("train.max_local_steps=3",)
+    cfg = site_cfg(tmp_path, shards, port, max_syncs=3)
+    cfg["ps"]["retry_budget"] = "2m"  # the pull outlives the restart
+    site = None
+    try:
+        with ps_process(tmp_path / "first", port, "ps.stream[1]@1=kill", "async", *quick) as proc:
+            site = Site(cfg, tmp_path, address)
+            assert proc.wait(timeout=240) == -9  # killed as the pull of version 1 arrived
+        with ps_process(tmp_path / "empty", port, "", "async", *quick), PSClient(ps_config(), address) as client:
+            assert site.wait(timeout=300) == [0], site.output()
+            status = client.status()
+    finally:
+        if site is not None:
+            site.close()
+    names = [e["event"] for e in events(site_dir)]
+    assert names.index("pull_failed") < names.index("rejoin") < names.index("reseed")
+    (failed,) = [e for e in events(site_dir) if e["event"] == "pull_failed"]
+    assert "unknown session" in failed["error"]  # the empty PS answered (not a spent retry budget)
+    assert [e["version"] for e in events(site_dir) if e["event"] == "reseed"] == [1]  # the version its push made
+    syncs = [r for r in site_metrics(tmp_path) if "train/loss" in r]
+    assert [r["sync/version"] for r in syncs] == [1, 2, 3] and status.version == 3
+    _, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
+    assert meta["version"] == 3 and meta["global_model"]
+    assert meta["sampler"]["draws"] == sum(r["sync/local_steps"] for r in syncs)  # no step lost
+
+
 def test_sync_now_ends_a_late_sites_interval_so_the_round_closes_early(tmp_path: Path, shards: Path) -> None:
     """Sync mode, a 10-minute interval and a 10-minute deadline: a fast site pushes at once, the slow (real)
     site hears "sync now" on its next heartbeat and pushes what it has; the round closes with both."""

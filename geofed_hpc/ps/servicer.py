@@ -27,6 +27,7 @@ from geofed_hpc.ps.sessions import Session
 from geofed_hpc.ps.state import Contribution, GlobalState
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import first_header, to_chunks
+from geofed_hpc.testing.faults import fault
 
 MAX_REMEMBERED_PUSHES = 10_000
 
@@ -120,6 +121,7 @@ class ParameterServerLogic(GlobalState):
         )
 
     def stream_model(self, request: m.ModelRequest) -> Iterator[m.Chunk]:
+        fault("ps.stream", str(request.min_version))
         wait = request.wait_s if math.isfinite(request.wait_s) else 0.0  # a long-poll never outlives rpc_timeout
         deadline = time.monotonic() + min(max(0.0, wait), self.cfg.rpc_timeout.total_seconds())
         with self._cond:

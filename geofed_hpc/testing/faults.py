@@ -18,6 +18,7 @@ ACTIONS = ("kill", "enospc", "eio", "exit")
 #   ps.aggregate   ps/state.py, a round's deltas are summed and the update is about to be applied
 #   ps.snapshot    ps/state.py, right after a snapshot file was written, before the pushes are answered
 #   ps.journal     ps/journal.py, a delta of an open round is journaled, before its push is answered
+#   ps.stream      ps/servicer.py, a pull (StreamModel) arrived, before anything is sent (label: its min_version)
 #   rpc.push       rpc/client.py, a push's first chunk is on the wire and the rest is not
 _SPEC = re.compile(r"^(?P<point>[a-z_.]+)(\[(?P<label>[^\]]*)\])?(@(?P<nth>\d+))?=(?P<action>[a-z]+)$")
 
