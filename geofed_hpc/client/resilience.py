@@ -1,5 +1,5 @@
-"""Riding out an unreachable parameter server: train on; when it answers, resend the unanswered attempt byte for
-byte, then push the work trained since against the same base."""
+"""Riding out an unreachable parameter server: train on; when it answers, ask whether it holds the unanswered
+push, then push only the work it does not hold, against the same base."""
 
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ class HeartbeatClock:
 
 class RidesOutages:
     """SiteTrainer's steps for a PS that does not answer: a start from the checkpoint alone, heartbeats while
-    training, a deferred push, training on from the local model when the pull after a push fails."""
+    training, a deferred push (settling the unanswered attempt first), training on from the local model when the
+    pull after a push fails."""
 
     def _offline_session(self: Site, meta: dict[str, Any] | None, exc: UnavailableError) -> m.JoinReply:
         """The PS is unreachable as the job starts. A checkpoint that holds a base (the global model at its
