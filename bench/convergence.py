@@ -94,10 +94,13 @@ def method_config(method: str, args: argparse.Namespace, steps: int, run_dir: Pa
     ps: dict[str, Any] = {"aggregation": "sync", "outer_optimizer": "plain", "global_lr": 1.0}
     codec = args.baseline_codec
     if method == "ours":
-        ps["aggregation"], codec = "async", args.codec
+        ps.update(aggregation="async", global_lr=args.ours_global_lr)
+        codec = args.codec
     elif method in ("fedavg", "diloco"):
         interval, cut = "0s", steps
-        if method == "diloco":
+        if method == "fedavg":
+            ps["global_lr"] = args.fedavg_global_lr
+        else:
             ps.update(outer_optimizer="nesterov", global_lr=0.7, momentum=0.9)
     elif method == "fednova":
         ps["outer_optimizer"] = "fednova"
@@ -133,6 +136,31 @@ def prepare_data(args: argparse.Namespace, work: Path) -> Path:
     out = work / "data"
     count = len(args.speeds) * args.shards_per_site
     prepare_shards(DataConfig(source="bible", cache_dir=args.cache_dir), out, count)
+    return dev_split(out, args) if args.eval_on == "dev" else out
+
+
+def dev_split(data: Path, args: argparse.Namespace) -> Path:
+    """The same train shards with the validation tail past the batches the validation set reads as the
+    evaluation set: a development set to choose settings on, disjoint from the tokens the results are read on."""
+    import hashlib
+
+    import numpy as np
+
+    from geofed_hpc.data.shards import read_index
+
+    index = read_index(data)
+    assert index.val is not None
+    val = np.fromfile(data / index.val.file, dtype=np.dtype(index.dtype))
+    used = args.val_batches * args.batch * (model_config(args.model).context + 1)
+    dev = val[used:]
+    out = data.parent / "data-dev"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(data, out)
+    dev.tofile(out / index.val.file)
+    raw = json.loads((out / "index.json").read_text())
+    raw["val"].update(tokens=int(dev.size), sha256=hashlib.sha256(dev.tobytes()).hexdigest())
+    (out / "index.json").write_text(json.dumps(raw, indent=1))
+    print(f"  evaluating on the development set: validation tokens {used}..{val.size} ({dev.size})", flush=True)
     return out
 
 
@@ -425,6 +453,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate (the project's default)")
     p.add_argument("--val-batches", type=int, default=8, help="held-out batches each evaluation reads")
     p.add_argument("--shards-per-site", type=int, default=8, help="1: each site one contiguous part of the text")
+    p.add_argument(
+        "--ours-global-lr",
+        type=float,
+        default=None,
+        help="ours' eta: each delta x eta/sqrt(1+tau) (default 1/sqrt(sites), chosen on the development set)",
+    )
+    p.add_argument("--fedavg-global-lr", type=float, default=1.0, help="FedAvg's eta (Theta += eta x mean delta)")
+    p.add_argument(
+        "--eval-on",
+        choices=("val", "dev"),
+        default="val",
+        help="val: the validation set results are read on; dev: held-out tokens after it, to choose settings on",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", default="", help="token cache (default $GEOFED_CACHE or ~/.cache/geofed_hpc)")
     p.add_argument("--work-dir", type=Path, default=None, help="run folders (default: a temporary one)")
@@ -438,6 +479,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--speeds: give 1 to 16 positive speeds, one per site")
     if max(args.speeds) / min(args.speeds) > 1000:
         p.error("--speeds: the slowest site may be at most 1000x slower than the fastest")
+    if args.ours_global_lr is None:  # K deltas from about one base each interval: their sum / sqrt(K)
+        args.ours_global_lr = 1 / len(args.speeds) ** 0.5
+    if args.ours_global_lr <= 0 or args.fedavg_global_lr <= 0:
+        p.error("--ours-global-lr and --fedavg-global-lr must be positive")
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown or not args.methods:
