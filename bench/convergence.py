@@ -12,7 +12,7 @@ train.slowdown = max(speeds)/s: after each step it sleeps (slowdown-1)x that ste
 ratio holds under any load. Every federated method gets the same wall-clock budget (--minutes), counted from
 the moment all site processes are released at once:
 
-  ours         ps.aggregation=async, one push every --sync-interval of wall-clock, --codec deltas
+  ours         ps.aggregation=async (eta 1/sqrt(sites)), one push every --sync-interval, --codec deltas
   fedavg       ps.aggregation=sync, H local steps on every site (no wall-clock cut), --baseline-codec
   diloco       as fedavg, outer Nesterov momentum (ps.outer_optimizer=nesterov, global lr 0.7, momentum 0.9)
   fednova      ps.aggregation=sync with the wall-clock cut (unequal local steps), ps.outer_optimizer=fednova
@@ -24,8 +24,10 @@ H is the slowest site's median steps per sync in ours' run (or --local-steps; or
 manages in one sync interval by a short timing here). Every site evaluates the global model it pulls on the same
 held-out tail of the corpus (data.val_batches batches); the curve of a method is each newer version's loss at
 the time it was evaluated. The target loss is fixed before any federated method runs: the centralized run's
-validation loss at half its budget (or --target). Nothing is tuned on the validation set: every learning rate
-is the project's default or the method's published one.
+validation loss at half its budget (or --target). Nothing is tuned on the validation set: the inner learning rate
+is the project's default, DiLoCo's and FedNova's outer settings the published ones, and ours' and FedAvg's eta
+(--ours-global-lr 1/sqrt(sites), --fedavg-global-lr 1) were chosen with --eval-on dev, on held-out tokens
+disjoint from the validation batches (docs/convergence.md).
 """
 
 from __future__ import annotations
