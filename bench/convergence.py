@@ -142,8 +142,8 @@ def prepare_data(args: argparse.Namespace, work: Path) -> Path:
 
 
 def dev_split(data: Path, args: argparse.Namespace) -> Path:
-    """The same train shards with the validation tail past the batches the validation set reads as the
-    evaluation set: a development set to choose settings on, disjoint from the tokens the results are read on."""
+    """A copy of the data whose evaluation set is the validation tail past the tokens the validation batches
+    read: a development set to choose settings on, disjoint from the tokens results are read on."""
     import hashlib
 
     import numpy as np
@@ -155,6 +155,11 @@ def dev_split(data: Path, args: argparse.Namespace) -> Path:
     val = np.fromfile(data / index.val.file, dtype=np.dtype(index.dtype))
     used = args.val_batches * args.batch * (model_config(args.model).context + 1)
     dev = val[used:]
+    if dev.size < used:
+        raise SystemExit(
+            f"--eval-on dev: the validation tail holds {val.size} tokens; {used} are the validation set, and the "
+            f"{dev.size} after them are too few for a development set as large; lower --val-batches or --batch"
+        )
     out = data.parent / "data-dev"
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(data, out)

@@ -66,3 +66,5 @@ def test_the_development_set_is_the_validation_tail_past_the_tokens_results_are_
     np.testing.assert_array_equal(dev_train, train)
     np.testing.assert_array_equal(dev_val, val[used:])
     np.testing.assert_array_equal(open_site_shards(data, 1, 3, "gpt2", 50257)[1], val)  # validation untouched
+    with pytest.raises(SystemExit, match="too few for a development set"):
+        bench.dev_split(data, argparse.Namespace(val_batches=len(val), batch=1, model="tiny_llama"))
