@@ -144,30 +144,24 @@ def prepare_data(args: argparse.Namespace, work: Path) -> Path:
 def dev_split(data: Path, args: argparse.Namespace) -> Path:
     """A copy of the data whose evaluation set is the validation tail past the tokens the validation batches
     read: a development set to choose settings on, disjoint from the tokens results are read on."""
-    import hashlib
-
-    import numpy as np
-
-    from geofed_hpc.data.shards import read_index
+    from geofed_hpc.data.shards import open_site_shards, read_index, write_index, write_part
 
     index = read_index(data)
     assert index.val is not None
-    val = np.fromfile(data / index.val.file, dtype=np.dtype(index.dtype))
+    _, val = open_site_shards(data, 0, 1, index.tokenizer, index.vocab_size)  # checks every checksum
     used = args.val_batches * args.batch * (model_config(args.model).context + 1)
-    dev = val[used:]
-    if dev.size < used:
+    if val.size - used < used:
         raise SystemExit(
             f"--eval-on dev: the validation tail holds {val.size} tokens; {used} are the validation set, and the "
-            f"{dev.size} after them are too few for a development set as large; lower --val-batches or --batch"
+            f"{max(0, val.size - used)} after them are too few for a development set as large; lower --val-batches "
+            "or --batch"
         )
     out = data.parent / "data-dev"
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(data, out)
-    dev.tofile(out / index.val.file)
-    raw = json.loads((out / "index.json").read_text())
-    raw["val"].update(tokens=int(dev.size), sha256=hashlib.sha256(dev.tobytes()).hexdigest())
-    (out / "index.json").write_text(json.dumps(raw, indent=1))
-    print(f"  evaluating on the development set: validation tokens {used}..{val.size} ({dev.size})", flush=True)
+    index.val = write_part(val, used, val.size, out / index.val.file)
+    write_index(out, index)
+    print(f"  evaluating on the development set: validation tokens {used}..{val.size} ({val.size - used})", flush=True)
     return out
 
 

@@ -137,7 +137,8 @@ def _atomic_write(path: Path, chunks: Iterator[bytes]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _write_part(staged: np.ndarray, lo: int, hi: int, path: Path) -> ShardFile:
+def write_part(staged: np.ndarray, lo: int, hi: int, path: Path) -> ShardFile:
+    """Write tokens staged[lo:hi] to `path` atomically; its index entry (name, count, SHA-256)."""
     digest = hashlib.sha256()
 
     def chunks() -> Iterator[bytes]:
@@ -171,16 +172,21 @@ def prepare_shards(cfg: DataConfig, out_dir: Path, num_shards: int) -> ShardInde
         n_train = count - n_val
         for i in range(num_shards):
             lo, hi = i * n_train // num_shards, (i + 1) * n_train // num_shards
-            index.train.append(_write_part(staged, lo, hi, out_dir / f"train-{i:05d}.bin"))
-        index.val = _write_part(staged, n_train, count, out_dir / "val.bin")
+            index.train.append(write_part(staged, lo, hi, out_dir / f"train-{i:05d}.bin"))
+        index.val = write_part(staged, n_train, count, out_dir / "val.bin")
         del staged
     finally:
         staging.unlink(missing_ok=True)
-    _atomic_write(out_dir / INDEX, iter([json.dumps(index.to_json(), indent=1).encode()]))
+    write_index(out_dir, index)
     logger.info(
         "data prepare: %d tokens (%s) in %d train shards + val under %s", count, dtype.name, num_shards, out_dir
     )
     return index
+
+
+def write_index(out_dir: Path, index: ShardIndex) -> None:
+    """Write the folder's index.json atomically (the folder counts as prepared once it is there)."""
+    _atomic_write(Path(out_dir) / INDEX, iter([json.dumps(index.to_json(), indent=1).encode()]))
 
 
 def read_index(folder: Path) -> ShardIndex:
