@@ -22,12 +22,13 @@ the moment all site processes are released at once:
 
 H is the slowest site's median steps per sync in ours' run (or --local-steps; or, without ours, the steps it
 manages in one sync interval by a short timing here). Every site evaluates the global model it pulls on the same
-held-out tail of the corpus (data.val_batches batches); the curve of a method is each newer version's loss at
-the time it was evaluated. The target loss is fixed before any federated method runs: the centralized run's
-validation loss at half its budget (or --target). Nothing is tuned on the validation set: the inner learning rate
-is the project's default, DiLoCo's and FedNova's outer settings the published ones, and ours' and FedAvg's eta
-(--ours-global-lr 1/sqrt(sites), --fedavg-global-lr 1) were chosen with --eval-on dev, on held-out tokens
-disjoint from the validation batches (docs/convergence.md).
+held-out tail of the corpus (data.val_batches batches), at most once per --eval-interval (train.eval_interval, 10 s
+for every method); the curve of a method is each newer version's loss at the time it was evaluated. The target
+loss is fixed before any federated method runs: the centralized run's validation loss at half its budget (or
+--target). Nothing is tuned on the validation set: the inner learning rate is the project's default (2e-3 and 6e-3
+did no better on the development set), DiLoCo's and FedNova's outer settings the published ones, and ours' and
+FedAvg's eta (--ours-global-lr 1/sqrt(sites), --fedavg-global-lr 1) and ours' sync interval were chosen with
+--eval-on dev, on held-out tokens disjoint from the validation batches (docs/convergence.md).
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ def method_config(method: str, args: argparse.Namespace, steps: int, run_dir: Pa
             lr=args.lr,
             batch_size=args.batch,
             sync_interval=interval,
+            eval_interval=args.eval_interval,
             max_local_steps=cut,
             seed=args.seed,
             threads=1,
@@ -446,6 +448,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--codec", default="int8", choices=[*WIRE_CODECS, "adaptive"], help="ours' delta codec")
     p.add_argument("--baseline-codec", default="fp32", choices=WIRE_CODECS, help="FedAvg/DiLoCo/FedNova deltas")
     p.add_argument("--sync-interval", default="10s", help="wall-clock cadence of ours and FedNova (e.g. 10s)")
+    p.add_argument(
+        "--eval-interval",
+        default="10s",
+        help="every method's sites evaluate the global model they pull at most this often (train.eval_interval)",
+    )
     p.add_argument("--local-steps", type=int, default=0, help="H of FedAvg/DiLoCo (0: measured, see above)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"a subset of {','.join(METHODS)}")
     p.add_argument("--target", type=float, default=None, help="target loss (default: centralized at half budget)")
@@ -491,6 +498,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.methods = [m for m in METHODS if m in args.methods]  # centralized first: the target is fixed before
     try:
         args.interval_s = parse_duration(args.sync_interval, "--sync-interval").total_seconds()
+        parse_duration(args.eval_interval, "--eval-interval")
     except ConfigError as exc:
         p.error(str(exc))
     if args.interval_s <= 0 or args.minutes <= 0:

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_ours_and_fedavg_both_lower_the_validation_loss(tmp_path: Path) -> None:
     out, png = tmp_path / "convergence.json", tmp_path / "convergence.png"
-    args = ["--minutes", "0.3", "--speeds", "1,4", "--sync-interval", "4s", "--methods", "ours,fedavg"]
+    args = ["--minutes", "0.3", "--speeds", "1,4", "--sync-interval", "4s", "--eval-interval", "0s"]
+    args += ["--methods", "ours,fedavg"]
     args += ["--json", str(out), "--png", str(png), "--work-dir", str(tmp_path / "work")]
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "convergence.py"), *args],

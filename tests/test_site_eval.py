@@ -44,3 +44,26 @@ def test_eval_every_n_steps_keeps_the_k_lowest_losses(tmp_path: Path) -> None:
         assert any(k.startswith("model/") for k in tensors) and any(k.startswith("optim/") for k in tensors)
         if meta["pending"]:  # taken mid-interval: resumable, its base kept with it
             assert meta["sampler"]["draws"] == e["step"] and any(k.startswith("base/") for k in tensors)
+
+
+def test_eval_interval_skips_evaluations_until_due_and_keeps_no_checkpoint_with_a_stale_loss(tmp_path: Path) -> None:
+    shards = tmp_path / "shards"
+    data = DataConfig(source="bible", max_tokens=40000, val_fraction=0.05, cache_dir=str(tmp_path / "cache"))
+    prepare_shards(data, shards, 1)
+    ps = make_ps(tmp_path, steps=2, aggregation="async")
+    cfg = site_cfg(tmp_path, shards, 3, sites=1, max_local_steps=0, eval_interval="1h", keep_best=3)
+    site = Site(cfg, tmp_path, ps.address)
+    try:
+        assert site.wait(timeout=300) == [0], site.output()
+    finally:
+        site.close()
+        ps.stop()
+    records = read_jsonl(tmp_path / "run" / "metrics" / "local-0.metrics.jsonl")
+    syncs = [r for r in records if r.get("sync/index", 0) >= 1]
+    assert [r["sync/version"] for r in syncs] == [1, 2, 3]  # every sync pushed, pulled and logged its training
+    assert all("train/loss" in r for r in syncs)
+    assert [r for r in syncs if "val/loss" in r] == []  # the hour since the first evaluation never passed
+    assert [r["sync/index"] for r in records if "val/loss" in r] == [0]
+    # each sync's checkpoint holds a newer model than the one evaluated: none may enter the best ones with its loss
+    best_dir = tmp_path / "run" / "sites" / "local-0" / "ckpt" / "best"
+    assert BestCheckpoints(best_dir, keep=3).entries() == []

@@ -61,7 +61,7 @@ class Checkpointing:
             "model": model_shape(self.cfg),
         }
         path = self.store.save(syncs, tensors, meta)
-        if meta["global_model"]:
+        if meta["global_model"] and self.val_version == self.version:  # val_loss is this model's
             self.best.offer(path, self.val_loss, syncs)
         return path
 

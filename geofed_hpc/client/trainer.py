@@ -10,7 +10,6 @@ import signal
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -38,16 +37,6 @@ from geofed_hpc.rpc.client import PSClient
 EXTRA_PULL_WAIT = timedelta(seconds=30)
 
 
-@dataclass
-class SyncResult:
-    version: int
-    local_steps: int
-    train_loss: float
-    val_loss: float
-    bytes_sent: int
-    raw_bytes: int
-
-
 class SiteTrainer(Checkpointing, Joining, RidesOutages):
     """Trains one site's model and keeps it in step with the parameter server. Its parts: checkpoints
     (checkpointing.py), join, seed, resume and pull (joining.py), riding out an unreachable PS (resilience.py)."""
@@ -73,6 +62,8 @@ class SiteTrainer(Checkpointing, Joining, RidesOutages):
         self.best = BestCheckpoints(self.dir / "ckpt" / "best", keep=cfg.train.keep_best)
         self.val_loss = math.nan
         self.qa: dict[str, float] = {}
+        self._evaluated_at = -math.inf  # time.monotonic() of the last evaluation of the global model
+        self.val_version = -1  # the version val_loss was measured at
         self._disk_model: Arrays = {}
         self.store = CheckpointStore(self.dir / "ckpt", prefix="site", keep=2)
         self.base: Arrays = {}
@@ -169,9 +160,14 @@ class SiteTrainer(Checkpointing, Joining, RidesOutages):
             f.write(json.dumps(record) + "\n")
 
     def evaluate(self) -> float:
+        self._evaluated_at, self.val_version = time.monotonic(), self.version
         self.val_loss = self.group.evaluate()
         self.qa = self.group.qa_metrics()  # val/exact_match, val/f1 for a question-answering task
         return self.val_loss
+
+    def _eval_due(self) -> bool:
+        """train.eval_interval: evaluate the global model after this sync (always, when it is 0s)."""
+        return time.monotonic() - self._evaluated_at >= self.cfg.train.eval_interval.total_seconds()
 
     def _train_interval(self, settings: m.RunSettings) -> tuple[int, float]:
         """Train until the interval ends (its time, its steps, a heartbeat saying push now); return the steps
@@ -374,7 +370,6 @@ class SiteTrainer(Checkpointing, Joining, RidesOutages):
                         client.heartbeat(m.HeartbeatRequest(sid, self.version, val_loss=self.val_loss))
                     except GeofedError as exc:
                         logger.warning("%s: could not report the first evaluation: %s", self.name, exc)
-            results = []
             while not cfg.train.max_syncs or self.syncs < cfg.train.max_syncs:
                 t0 = time.monotonic()
                 self.timer = SyncTimer()
@@ -400,9 +395,8 @@ class SiteTrainer(Checkpointing, Joining, RidesOutages):
                     self._event("deferred_pushed", steps=steps, intervals=held, offline_s=round(offline_s, 1))
                 self.syncs += 1
                 sync_s = time.monotonic() - t0
-                val_loss = self.evaluate()
-                result = SyncResult(self.version, steps, train_loss, val_loss, sent, raw)
-                results.append(result)
+                evaluated = self._eval_due()
+                val_loss = self.evaluate() if evaluated else math.nan  # NaN: not evaluated at this sync
                 rec.log(
                     {
                         **self._telemetry(client, val_loss, sent, sync_s),
@@ -410,8 +404,7 @@ class SiteTrainer(Checkpointing, Joining, RidesOutages):
                         "sync/version": self.version,
                         "sync/local_steps": steps,
                         "train/loss": train_loss,
-                        "val/loss": val_loss,
-                        **self.qa,
+                        **({"val/loss": val_loss, **self.qa} if evaluated else {}),
                         "train/tokens": self.tokens_seen,
                         "train/tokens_per_s": steps * self.sampler_tokens() / max(train_s, 1e-9),
                         "sync/bytes_sent": sent,
@@ -427,7 +420,7 @@ class SiteTrainer(Checkpointing, Joining, RidesOutages):
                 client.heartbeat(m.HeartbeatRequest(self.session.session_id, self.version, leaving=True))
             except GeofedError as exc:
                 logger.warning("%s: could not tell the PS we leave: %s", self.name, exc)
-        final = results[-1].val_loss if results else math.nan
+        final = self.val_loss  # the last evaluation's
         logger.info("%s: done after %d syncs at version %d, val loss %.4f", self.name, self.syncs, self.version, final)
         return {"site": self.name, "syncs": self.syncs, "version": self.version, "val_loss": final}
 

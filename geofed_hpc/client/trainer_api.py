@@ -51,6 +51,7 @@ class Site(Protocol):
     tokens_seen: int
     contribution_total: int
     val_loss: float
+    val_version: int
     job_id: str
     timer: SyncTimer
     _disk_model: Arrays

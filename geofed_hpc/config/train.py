@@ -102,12 +102,16 @@ class TrainConfig:
     seed: int = 0
     threads: int = 1
     eval_every: int = 0
+    # Wall-clock time between evaluations of the pulled global model: a sync evaluates when at least this long
+    # has passed since the last evaluation began (0s: after every sync).
+    eval_interval: timedelta = timedelta(0)
     keep_best: int = 10
     # Emulated slower hardware: after each optimizer step, sleep (slowdown - 1) x that step's compute time.
     slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         self.sync_interval = parse_duration(self.sync_interval, "train.sync_interval")
+        self.eval_interval = parse_duration(self.eval_interval, "train.eval_interval")
         check(
             self.eval_every >= 0,
             "train.eval_every",
