@@ -253,9 +253,10 @@ def summarize(method: str, metrics_dir: Path, t_go: float, budget: float) -> dic
     tokens: dict[str, list[tuple[float, int]]] = {}
     sent: dict[str, int] = {}
     steps: dict[str, list[int]] = {}
+    stale: dict[str, list[int]] = {}
     for path in sorted(metrics_dir.glob("*.metrics.jsonl")):
         site = path.name.split(".")[0]
-        tokens[site], sent[site], steps[site] = [(0.0, 0)], 0, []
+        tokens[site], sent[site], steps[site], stale[site] = [(0.0, 0)], 0, [], []
         for r in read_jsonl(path):
             t = float(r["time"]) - t_go
             if t > budget:
@@ -266,6 +267,8 @@ def summarize(method: str, metrics_dir: Path, t_go: float, budget: float) -> dic
                 tokens[site].append((t, int(r["train/tokens"])))
             if "sync/local_steps" in r and "train/loss" in r:
                 steps[site].append(int(r["sync/local_steps"]))
+                if "sync/staleness" in r:  # versions the global model moved between this site's pull and push
+                    stale[site].append(int(r["sync/staleness"]))
             sent[site] += int(r.get("sync/bytes_sent", 0) or 0)
     curve: list[dict[str, float]] = []
     newest = -1
@@ -283,6 +286,7 @@ def summarize(method: str, metrics_dir: Path, t_go: float, budget: float) -> dic
         "bytes_sent": None if method == "centralized" else sum(sent.values()),
         "versions": newest,
         "steps_per_sync": {s: (statistics.median(v) if v else 0) for s, v in sorted(steps.items())},
+        "staleness_per_sync": {s: (statistics.median(v) if v else 0) for s, v in sorted(stale.items())},
         "curve": curve,
     }
 
