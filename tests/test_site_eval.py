@@ -1,4 +1,5 @@
-"""A site evaluating its local model every N steps against a real PS keeps the k best checkpoints by loss."""
+"""A site evaluating its local model every N steps against a real PS keeps the k best checkpoints by loss;
+train.eval_interval skips evaluations of the pulled global model until they are due."""
 
 from __future__ import annotations
 
