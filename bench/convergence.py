@@ -491,7 +491,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--speeds: give 1 to 16 positive speeds, one per site")
     if max(args.speeds) / min(args.speeds) > 1000:
         p.error("--speeds: the slowest site may be at most 1000x slower than the fastest")
-    if args.ours_global_lr is None:  # K deltas from about one base each interval: their sum / sqrt(K)
+    if args.ours_global_lr is None:  # each delta arrives K-1 versions stale (x 1/sqrt(K)): then x 1/K, a mean
         args.ours_global_lr = 1 / len(args.speeds) ** 0.5
     if args.ours_global_lr <= 0 or args.fedavg_global_lr <= 0:
         p.error("--ours-global-lr and --fedavg-global-lr must be positive")

@@ -4,6 +4,7 @@ train.eval_interval skips evaluations of the pulled global model until they are 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,19 +19,23 @@ from tests.test_site_client import make_ps, site_cfg
 pytestmark = pytest.mark.slow
 
 
-def test_eval_every_n_steps_keeps_the_k_lowest_losses(tmp_path: Path) -> None:
+def run_one_site(tmp_path: Path, steps: int, syncs: int, **train: Any) -> list[dict[str, Any]]:
+    """One real site process against an async PS that asks `steps` local steps per sync; its metrics records."""
     shards = tmp_path / "shards"
     data = DataConfig(source="bible", max_tokens=40000, val_fraction=0.05, cache_dir=str(tmp_path / "cache"))
     prepare_shards(data, shards, 1)
-    ps = make_ps(tmp_path, steps=5, aggregation="async")
-    cfg = site_cfg(tmp_path, shards, 2, sites=1, lr=1e-2, max_local_steps=0, eval_every=2, keep_best=3)
-    site = Site(cfg, tmp_path, ps.address)
+    ps = make_ps(tmp_path, steps=steps, aggregation="async")
+    site = Site(site_cfg(tmp_path, shards, syncs, sites=1, max_local_steps=0, **train), tmp_path, ps.address)
     try:
         assert site.wait(timeout=300) == [0], site.output()
     finally:
         site.close()
         ps.stop()
-    records = read_jsonl(tmp_path / "run" / "metrics" / "local-0.metrics.jsonl")
+    return read_jsonl(tmp_path / "run" / "metrics" / "local-0.metrics.jsonl")
+
+
+def test_eval_every_n_steps_keeps_the_k_lowest_losses(tmp_path: Path) -> None:
+    records = run_one_site(tmp_path, steps=5, syncs=2, lr=1e-2, eval_every=2, keep_best=3)
     local = [r for r in records if "val/local_loss" in r]
     assert [r["train/step"] for r in local] == [2, 4, 6, 8, 10]  # 2 syncs of 5 steps, every 2nd step
     at_sync = [r["val/loss"] for r in records if "val/loss" in r and r.get("sync/index", 0) >= 1]
@@ -48,18 +53,7 @@ def test_eval_every_n_steps_keeps_the_k_lowest_losses(tmp_path: Path) -> None:
 
 
 def test_eval_interval_skips_evaluations_until_due_and_keeps_no_checkpoint_with_a_stale_loss(tmp_path: Path) -> None:
-    shards = tmp_path / "shards"
-    data = DataConfig(source="bible", max_tokens=40000, val_fraction=0.05, cache_dir=str(tmp_path / "cache"))
-    prepare_shards(data, shards, 1)
-    ps = make_ps(tmp_path, steps=2, aggregation="async")
-    cfg = site_cfg(tmp_path, shards, 3, sites=1, max_local_steps=0, eval_interval="1h", keep_best=3)
-    site = Site(cfg, tmp_path, ps.address)
-    try:
-        assert site.wait(timeout=300) == [0], site.output()
-    finally:
-        site.close()
-        ps.stop()
-    records = read_jsonl(tmp_path / "run" / "metrics" / "local-0.metrics.jsonl")
+    records = run_one_site(tmp_path, steps=2, syncs=3, eval_interval="1h", keep_best=3)
     syncs = [r for r in records if r.get("sync/index", 0) >= 1]
     assert [r["sync/version"] for r in syncs] == [1, 2, 3]  # every sync pushed, pulled and logged its training
     assert all("train/loss" in r for r in syncs)
