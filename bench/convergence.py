@@ -121,6 +121,7 @@ def method_config(method: str, args: argparse.Namespace, steps: int, run_dir: Pa
         data=DataConfig(source=str(shards), val_batches=args.val_batches),
         train=TrainConfig(
             lr=args.lr,
+            warmup_steps=args.warmup_steps,
             batch_size=args.batch,
             sync_interval=interval,
             eval_interval=args.eval_interval,
@@ -463,6 +464,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny_llama", help="a conf/model/*.yaml option")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3, help="inner AdamW learning rate (the project's default)")
+    p.add_argument("--warmup-steps", type=int, default=0, help="every site's linear lr warmup (train.warmup_steps)")
     p.add_argument("--val-batches", type=int, default=8, help="held-out batches each evaluation reads")
     p.add_argument("--shards-per-site", type=int, default=8, help="1: each site one contiguous part of the text")
     p.add_argument(

@@ -181,8 +181,9 @@ def _train(cfg: ModelConfig, rank: int, world: int, micro: int, steps: int, shar
     # SGD: parity of gradients shows in the weights (Adam would blow float noise in zero-gradient entries,
     # e.g. the key biases, up to lr-sized steps).
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    stepper = Stepper(model, opt, Precision("fp32"), StepPlan(6, world, rank, micro), torch.device("cpu"), sharded)
-    losses = [stepper.step(*_batch(cfg, 6, seed)) for seed in range(steps)]
+    plan = StepPlan(6, world, rank, micro)
+    stepper = Stepper(model, opt, Precision("fp32"), plan, torch.device("cpu"), sharded, warmup_steps=2)
+    losses = [stepper.step(*_batch(cfg, 6, seed), count=seed + 1) for seed in range(steps)]
     return full_state(model), losses
 
 

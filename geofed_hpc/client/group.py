@@ -124,12 +124,20 @@ class SiteGroup:
 
     def _step(self, x: torch.Tensor, y: torch.Tensor, phase: int) -> float:
         p = self.paradigm
+        count = self.sampler.draws  # this step's number in the site's life: the batch just drawn is its
         if p is None:
-            return self.stepper.step(x, y)
+            return self.stepper.step(x, y, count)
         p.set_phase(self.model, phase)
         if p.custom_step:  # one process (build_runtime refuses more): the paradigm's own step, no optimizer
             return p.step(self.model, self.stepper.loss, x, y)
-        return self.stepper.step(x, y)
+        return self.stepper.step(x, y, count)
+
+    @property
+    def lr(self) -> float | None:
+        """The AdamW learning rate of the last step (warmup included); None for a paradigm's own step (zo)."""
+        if self.paradigm is not None and self.paradigm.custom_step:
+            return None
+        return float(self.optimizer.param_groups[0]["lr"])
 
     def evaluate(self) -> float:
         with self._collective(Cmd.EVAL):

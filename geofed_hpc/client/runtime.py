@@ -82,7 +82,7 @@ def build_runtime(cfg: RunConfig, site_index: int, init: bool = True) -> SiteRun
     optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
     micro = _micro_batch(cfg, model, precision, ranks, device, n_params, sharded)
     plan = StepPlan(cfg.train.batch_size, ranks.world_size, ranks.rank, micro)
-    stepper = Stepper(model, optimizer, precision, plan, device, sharded)
+    stepper = Stepper(model, optimizer, precision, plan, device, sharded, cfg.train.warmup_steps)
     group = SiteGroup(stepper, sampler, val_batches, ranks.rank, ranks.world_size, paradigm, questions)
     accumulation = len(plan.micro)
     logger.info(

@@ -15,6 +15,15 @@ from geofed_hpc.client.precision import Precision
 from geofed_hpc.errors import GeofedError
 
 
+def warmup_factor(step: int, warmup_steps: int) -> float:
+    """The lr multiplier of a site's `step`-th optimizer step (1-based) under a linear warmup of `warmup_steps`."""
+    if step < 1:
+        raise ValueError(f"steps count from 1, got {step}")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be 0 or positive, got {warmup_steps}")
+    return 1.0 if warmup_steps == 0 else min(1.0, step / warmup_steps)
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """How one site batch of `batch_size` sequences is spread over ranks and micro-batches."""
@@ -44,9 +53,11 @@ class Stepper:
         plan: StepPlan,
         device: torch.device,
         sharded: bool,
+        warmup_steps: int = 0,
     ) -> None:
         self.model, self.optimizer, self.precision, self.plan = model, optimizer, precision, plan
-        self.device, self.sharded = device, sharded
+        self.device, self.sharded, self.warmup_steps = device, sharded, warmup_steps
+        self.base_lrs = [float(group["lr"]) for group in optimizer.param_groups]  # the configured lr, not a resumed one
         self.scaler: Any = precision.grad_scaler(sharded)
 
     def _context(self) -> contextlib.AbstractContextManager[None]:
@@ -58,12 +69,16 @@ class Stepper:
             dist.all_reduce(total)
         return float(total) / self.plan.batch_size
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Forward/backward over this rank's micro-batches of the site batch (x, y), then one optimizer step.
+    def step(self, x: torch.Tensor, y: torch.Tensor, count: int = 1) -> float:
+        """Forward/backward over this rank's micro-batches of the site batch (x, y), then one optimizer step, the
+        site's `count`-th (1-based; it sets the warmup lr).
 
         Each micro-batch loss is weighted n·W/B, so after FSDP's mean over W ranks the gradient is exactly the
         site-batch mean, whatever the micro-batch size and rank count. Returns the site-mean loss."""
         plan = self.plan
+        factor = warmup_factor(count, self.warmup_steps)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
+            group["lr"] = base * factor
         xs, ys = x[plan.rows], y[plan.rows]
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), dtype=torch.float64, device=self.device)

@@ -404,6 +404,7 @@ class SiteTrainer(Checkpointing, Joining, RidesOutages):
                         "sync/version": self.version,
                         "sync/local_steps": steps,
                         "train/loss": train_loss,
+                        **({"train/lr": self.group.lr} if self.group.lr is not None else {}),
                         **({"val/loss": val_loss, **self.qa} if evaluated else {}),
                         "train/tokens": self.tokens_seen,
                         "train/tokens_per_s": steps * self.sampler_tokens() / max(train_s, 1e-9),

@@ -41,4 +41,9 @@ class RunConfig:
                 "ps.aggregation",
                 "paradigm=zo draws each round's directions from the global version: use ps.aggregation=sync",
             )
+            check(
+                self.train.warmup_steps == 0,
+                "train.warmup_steps",
+                "paradigm=zo takes its own steps of paradigm.zo_lr, without AdamW: set train.warmup_steps=0",
+            )
         check(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", self.federation)), "federation", "use letters, digits, _ . -")

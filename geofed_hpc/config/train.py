@@ -94,6 +94,9 @@ class TrainConfig:
     """Local training and the sync cadence (Algorithm 1: H local steps or T seconds)."""
 
     lr: float = 3e-3
+    # Linear lr warmup over a site's first optimizer steps (its lifetime count, which survives requeues):
+    # step n trains at lr x n / warmup_steps. 0: the full lr from the first step.
+    warmup_steps: int = 0
     weight_decay: float = 0.0
     batch_size: int = 8
     sync_interval: timedelta = timedelta(seconds=30)
@@ -119,6 +122,7 @@ class TrainConfig:
         )
         check(self.keep_best >= 0, "train.keep_best", f"must be 0 (keep none) or positive, got {self.keep_best}")
         check(self.lr > 0, "train.lr", f"must be positive, got {self.lr}")
+        check(self.warmup_steps >= 0, "train.warmup_steps", f"must be 0 (none) or positive, got {self.warmup_steps}")
         check(self.batch_size >= 1, "train.batch_size", "must be at least 1")
         check(
             self.sync_interval.total_seconds() > 0 or self.max_local_steps > 0,

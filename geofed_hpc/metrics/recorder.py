@@ -18,6 +18,7 @@ METRIC_HELP: dict[str, str] = {
     "train/loss": "training loss, mean over the steps since the previous log line",
     "train/tokens": "tokens this process has trained on since the run began (cumulative)",
     "train/tokens_per_s": "training throughput since the previous log line, tokens per second",
+    "train/lr": "learning rate of the last local step, train.warmup_steps included (AdamW paradigms)",
     "val/loss": "validation loss of the global model this site just pulled (every train.eval_interval)",
     "val/local_loss": "validation loss of this site's local model, every train.eval_every local steps",
     "train/step": "local optimizer steps this site has taken since the run began (its data position)",
