@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     result["tokens_per_s"] = round(timed(rt.group.stepper), 1)
     base = rt.group.stepper
     plan = StepPlan(args.batch, world, rank, 1)
-    one = Stepper(base.model, base.optimizer, base.precision, plan, base.device, base.sharded)
+    one = Stepper(base.model, base.optimizer, base.precision, plan, base.device, base.sharded, base.warmup_steps)
     result["tokens_per_s_micro1"] = round(timed(one), 1)
     if rt.device.type == "cuda":
         result["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(rt.device) / 2**30, 2)

@@ -124,7 +124,7 @@ class SiteGroup:
 
     def _step(self, x: torch.Tensor, y: torch.Tensor, phase: int) -> float:
         p = self.paradigm
-        count = self.sampler.draws  # this step's number in the site's life: the batch just drawn is its
+        count = self.sampler.draws  # the site's lifetime step count, this step included (its batch is drawn)
         if p is None:
             return self.stepper.step(x, y, count)
         p.set_phase(self.model, phase)

@@ -69,7 +69,7 @@ class Stepper:
             dist.all_reduce(total)
         return float(total) / self.plan.batch_size
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, count: int = 1) -> float:
+    def step(self, x: torch.Tensor, y: torch.Tensor, count: int) -> float:
         """Forward/backward over this rank's micro-batches of the site batch (x, y), then one optimizer step, the
         site's `count`-th (1-based; it sets the warmup lr).
 
