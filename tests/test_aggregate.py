@@ -6,6 +6,7 @@ import pytest
 from geofed_hpc.ps.aggregate import (
     MeanAccumulator,
     OuterOptimizer,
+    RelativeWork,
     add_update,
     apply_update,
     buffer_full,
@@ -127,6 +128,24 @@ def test_staleness_discount_decreases() -> None:
     assert staleness_discount(1) > staleness_discount(2) > staleness_discount(8)
     with pytest.raises(ValueError):
         staleness_discount(-1)
+
+
+def test_relative_work_weighs_tokens_against_the_recent_mean() -> None:
+    work = RelativeWork(window=3)
+    assert work.weight(100) == 1.0  # the first delta is its own mean
+    assert work.weight(300) == pytest.approx(1.5)  # 300 / mean(100, 300)
+    assert work.weight(200) == pytest.approx(1.0)  # 200 / mean(100, 300, 200)
+    assert work.weight(100) == pytest.approx(0.5)  # the window dropped the first 100: 100 / mean(300, 200, 100)
+    fresh = RelativeWork(window=3)
+    one_round = [fresh.weight(t) for t in (150, 300, 600)]  # sites at speeds 1 : 2 : 4, one push each
+    assert one_round == pytest.approx([1.0, 4 / 3, 1.714], abs=1e-3)  # the window fills as they arrive
+    one_round = [fresh.weight(t) for t in (150, 300, 600)]  # the next round: every weight against mean 350
+    assert sum(one_round) / 3 == pytest.approx(1.0) and one_round == pytest.approx([0.429, 0.857, 1.714], abs=1e-3)
+    for bad in (0, -5):
+        with pytest.raises(ValueError, match="tokens must be positive"):
+            work.weight(bad)
+    with pytest.raises(ValueError, match="window must be at least 1"):
+        RelativeWork(window=0)
 
 
 def test_apply_and_add_update_check_shapes() -> None:

@@ -144,6 +144,22 @@ def test_async_applies_on_arrival_with_staleness_discount_and_refuses_too_stale(
     assert logic.version == 3
 
 
+def test_async_token_weighting_scales_each_delta_by_its_tokens_against_recent_deltas() -> None:
+    logic = make("async", weighting="tokens", max_staleness=4)
+    a, b = joined(logic, 2)
+    params = init(logic, a)
+    push(logic, a, 0, full(params, 1.0), push_id="1", tokens=100)  # alone in the window: x 1
+    push(logic, b, 1, full(params, 1.0), push_id="2", tokens=300)  # 300 / mean(100, 300) = 1.5
+    push(logic, a, 1, full(params, 1.0), push_id="3", tokens=200)  # 200 / 200 = 1, then x 1/sqrt(2) stale
+    expect(logic, a, {k: v + 1.0 + 1.5 + 1.0 / np.sqrt(2.0) for k, v in params.items()}, 3)
+    uniform = make("async", max_staleness=4)  # the same pushes, uniform: each counts 1
+    a, b = joined(uniform, 2)
+    params = init(uniform, a)
+    for i, (site, base, tokens) in enumerate([(a, 0, 100), (b, 1, 300), (a, 1, 200)]):
+        push(uniform, site, base, full(params, 1.0), push_id=str(i), tokens=tokens)
+    expect(uniform, a, {k: v + 2.0 + 1.0 / np.sqrt(2.0) for k, v in params.items()}, 3)
+
+
 def test_buffered_applies_after_k_deltas_or_deadline() -> None:
     clock = Clock()
     logic = make("buffered", clock=clock, buffer_size=3, round_timeout="10s")

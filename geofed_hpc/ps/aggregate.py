@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping
 
 import numpy as np
@@ -77,6 +78,23 @@ def staleness_discount(staleness: int) -> float:
     if staleness < 0:
         raise ValueError(f"staleness cannot be negative, got {staleness}")
     return 1.0 / math.sqrt(1.0 + staleness)
+
+
+class RelativeWork:
+    """Async `ps.weighting=tokens`: a delta counts its tokens over the mean tokens of the last `window` deltas (its
+    own included). Sites that trained more tokens in their interval count more, and the weights average 1, so the
+    step stays what `ps.global_lr` and the staleness discount make it. Soft state: a restarted PS starts afresh."""
+
+    def __init__(self, window: int = 16) -> None:
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        self._recent: deque[float] = deque(maxlen=window)
+
+    def weight(self, tokens: float) -> float:
+        if not tokens > 0:
+            raise ValueError(f"tokens must be positive, got {tokens}")
+        self._recent.append(float(tokens))
+        return float(tokens) * len(self._recent) / sum(self._recent)
 
 
 def global_norm(delta: Mapping[str, np.ndarray]) -> float:

@@ -14,6 +14,7 @@ from geofed_hpc.log import logger
 from geofed_hpc.ps.aggregate import (
     MeanAccumulator,
     Params,
+    RelativeWork,
     buffer_full,
     clip_scale,
     global_norm,
@@ -67,6 +68,7 @@ class Rounds:
         self._clock = clock
         self.spec: dict[str, tuple[int, ...]] = {}
         self._open = _Open()
+        self._work = RelativeWork()
 
     @property
     def count(self) -> int:
@@ -98,8 +100,11 @@ class Rounds:
         return prepared
 
     def admit(self, p: Prepared, discount: float) -> None:
-        """Add a prepared delta, scaled by its staleness discount (hold the PS lock)."""
+        """Add a prepared delta, scaled by its staleness discount (hold the PS lock). With async, each update is
+        one delta, so `ps.weighting=tokens` scales it by its tokens against recent deltas' (RelativeWork)."""
         r = self._open
+        if self.cfg.aggregation == "async" and self.cfg.weighting == "tokens":
+            discount *= self._work.weight(p.weight)
         if p.spool is not None:
             r.spooled.append(_Spooled(p.spool, discount, p.steps))
         else:
