@@ -12,7 +12,8 @@ train.slowdown = max(speeds)/s: after each step it sleeps (slowdown-1)x that ste
 ratio holds under any load. Every federated method gets the same wall-clock budget (--minutes), counted from
 the moment all site processes are released at once:
 
-  ours         ps.aggregation=async (eta 1/sqrt(sites)), one push every --sync-interval, --codec deltas
+  ours         ps.aggregation=async (eta 1/sqrt(sites)), ps.weighting=tokens (a delta counts its tokens over the
+               mean of recent deltas'), one push every --sync-interval, --codec deltas
   fedavg       ps.aggregation=sync, H local steps on every site (no wall-clock cut), --baseline-codec
   diloco       as fedavg, outer Nesterov momentum (ps.outer_optimizer=nesterov, global lr 0.7, momentum 0.9)
   fednova      ps.aggregation=sync with the wall-clock cut (unequal local steps), ps.outer_optimizer=fednova
@@ -27,8 +28,8 @@ for every method); the curve of a method is each newer version's loss at the tim
 loss is fixed before any federated method runs: the centralized run's validation loss at half its budget (or
 --target). Nothing is tuned on the validation set: the inner learning rate is the project's default (2e-3 and 6e-3
 did no better on the development set), DiLoCo's and FedNova's outer settings the published ones, and ours' and
-FedAvg's eta (--ours-global-lr 1/sqrt(sites), --fedavg-global-lr 1) and ours' sync interval were chosen with
---eval-on dev, on held-out tokens disjoint from the validation batches (docs/convergence.md).
+FedAvg's eta (--ours-global-lr 1/sqrt(sites), --fedavg-global-lr 1), ours' weighting and sync interval were chosen
+with --eval-on dev, on held-out tokens disjoint from the validation batches (docs/convergence.md).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def method_config(method: str, args: argparse.Namespace, steps: int, run_dir: Pa
     ps: dict[str, Any] = {"aggregation": "sync", "outer_optimizer": "plain", "global_lr": 1.0}
     codec = args.baseline_codec
     if method == "ours":
-        ps.update(aggregation="async", global_lr=args.ours_global_lr)
+        ps.update(aggregation="async", global_lr=args.ours_global_lr, weighting=args.ours_weighting)
         codec = args.codec
     elif method in ("fedavg", "diloco"):
         interval, cut = "0s", steps
@@ -472,6 +473,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=None,
         help="ours' eta: each delta x eta/sqrt(1+tau) (default 1/sqrt(sites), chosen on the development set)",
+    )
+    p.add_argument(
+        "--ours-weighting",
+        choices=("uniform", "tokens"),
+        default="tokens",
+        help="ours' ps.weighting (tokens, chosen on the development set: each delta x its tokens over recent "
+        "deltas' mean; uniform: each counts the same)",
     )
     p.add_argument("--fedavg-global-lr", type=float, default=1.0, help="FedAvg's eta (Theta += eta x mean delta)")
     p.add_argument(
