@@ -4,6 +4,7 @@ DiLoCo, FedNova and centralized training, as validation loss against wall-clock 
     python bench/convergence.py --json docs/convergence.json --png docs/convergence.png   # ~15 min on 2 cores
     python bench/convergence.py --minutes 0.5 --methods ours,fedavg --json /tmp/c.json     # a quick look
     python bench/convergence.py --speeds 1,1,4 --codec int4 --sync-interval 20s --json /tmp/c.json
+    python bench/convergence.py --merge /tmp/ours.json /tmp/fedavg.json --json /tmp/m.json   # runs of unequal budget
 
 Three sites (one per entry of --speeds) train a small Llama-style model (conf/model/tiny_llama.yaml, 3.3M
 parameters) on disjoint shards of the shipped King James Bible, as real site processes (ClientJob, the job class
@@ -30,6 +31,10 @@ loss is fixed before any federated method runs: the centralized run's validation
 did no better on the development set), DiLoCo's and FedNova's outer settings the published ones, and ours' and
 FedAvg's eta (--ours-global-lr 1/sqrt(sites), --fedavg-global-lr 1), ours' weighting and sync interval were chosen
 with --eval-on dev, on held-out tokens disjoint from the validation batches (docs/convergence.md).
+
+A method that does not reach the target within the budget reports null, and ours' speedup over FedAvg is then
+only bounded. To measure it, run ours and FedAvg with the same --target and a budget long enough for each, then
+join the two JSON files with --merge (docs/convergence.md, "Time to the target").
 """
 
 from __future__ import annotations
@@ -408,13 +413,13 @@ def plot(rows: list[dict[str, Any]], target: float | None, path: Path, title: st
     plt.close(fig)
 
 
-def checks_for(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+def checks_for(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The issue's targets: ours >= 1.5x sooner than FedAvg; within 3% of centralized at equal tokens."""
     out: dict[str, Any] = {}
     ours, fedavg, central = rows.get("ours"), rows.get("fedavg"), rows.get("centralized")
     if ours and fedavg:
         a, b = ours["time_to_target_s"], fedavg["time_to_target_s"]
-        budget = args.minutes * 60
+        budget = fedavg["budget_s"]
         if a is None:
             out["speedup_vs_fedavg"] = {"value": None, "met": False, "why": "ours never reached the target"}
         elif b is None:
@@ -447,7 +452,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     from geofed_hpc.errors import ConfigError
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", type=Path, default=Path("docs/convergence.json"), help="where the rows go")
+    p.add_argument("--json", type=Path, default=None, help="where the rows go (default docs/convergence.json)")
     p.add_argument("--png", type=Path, default=None, help="validation loss against seconds and tokens")
     p.add_argument("--minutes", type=float, default=2.5, help="wall-clock budget of each federated method")
     p.add_argument("--speeds", default="1,2,4", help="relative compute speed of each site (one site per entry)")
@@ -492,7 +497,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cache-dir", default="", help="token cache (default $GEOFED_CACHE or ~/.cache/geofed_hpc)")
     p.add_argument("--work-dir", type=Path, default=None, help="run folders (default: a temporary one)")
     p.add_argument("--keep", action="store_true", help="keep each method's run folder (logs, checkpoints)")
+    p.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: join the rows of earlier runs' JSON files (one method each at most, the same target), "
+        "for example ours and a FedAvg given a longer budget to reach the target in, and recompute the checks",
+    )
     args = p.parse_args(argv)
+    if args.merge and args.json is None:
+        p.error("--merge: give --json OUT (the merged report would otherwise replace docs/convergence.json)")
+    args.json = args.json or Path("docs/convergence.json")
     try:
         args.speeds = [float(s) for s in args.speeds.split(",") if s.strip()]
     except ValueError:
@@ -520,8 +536,56 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def merge(paths: list[Path]) -> dict[str, Any]:
+    """One report from the rows of several: every file must have the same target; a method may come once."""
+    reports = []
+    for path in paths:
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--merge: cannot read {path}: {exc}") from exc
+        if not isinstance(reports[-1], dict) or not {"rows", "target_val_loss"} <= reports[-1].keys():
+            raise SystemExit(f"--merge: {path} is not a report of this benchmark (no rows / target_val_loss)")
+    target = reports[0]["target_val_loss"]
+    rows: dict[str, dict[str, Any]] = {}
+    for path, report in zip(paths, reports, strict=True):
+        if report["target_val_loss"] != target:
+            raise SystemExit(
+                f"--merge: {path} has target {report['target_val_loss']}, {paths[0]} has {target}; "
+                "rerun with the same --target"
+            )
+        for row in report["rows"]:
+            if row["method"] in rows:
+                raise SystemExit(f"--merge: method {row['method']} is in more than one file ({path} again)")
+            rows[row["method"]] = row | {"source": str(path)}
+    rows = {m: rows[m] for m in METHODS if m in rows}
+    for r in rows.values():
+        r["time_to_target_s"] = time_to(r["curve"], target)
+    sources = [
+        {"file": str(p), "config": r.get("config"), "machine": r.get("machine")}
+        for p, r in zip(paths, reports, strict=True)
+    ]
+    return {
+        "merged_from": sources,
+        "target_val_loss": target,
+        "rows": list(rows.values()),
+        "targets": checks_for(rows),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.merge:
+        report = merge(args.merge)
+        print_table(report["rows"], report["target_val_loss"], report["targets"])
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+        if args.png:
+            budgets = ", ".join(f"{r['method']} {r['budget_s'] / 60:g} min" for r in report["rows"])
+            plot(report["rows"], report["target_val_loss"], args.png, f"merged runs: {budgets}")
+            print(f"wrote {args.png}")
+        return 0
     started = time.time()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="geofed-convergence-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -546,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     for r in rows.values():
         r["time_to_target_s"] = time_to(r["curve"], target)
-    checks = checks_for(rows, args)
+    checks = checks_for(rows)
     info["uptime_end"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     wall = time.time() - started
     checks["total_wall_s"] = {"value": round(wall, 1), "met": wall < 20 * 60}

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -46,11 +47,16 @@ def test_ours_and_fedavg_both_lower_the_validation_loss(tmp_path: Path) -> None:
     assert png.stat().st_size > 0
 
 
-def test_the_development_set_is_the_validation_tail_past_the_tokens_results_are_read_on(tmp_path: Path) -> None:
+def load_bench() -> Any:
     spec = importlib.util.spec_from_file_location("convergence_bench", ROOT / "bench" / "convergence.py")
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_the_development_set_is_the_validation_tail_past_the_tokens_results_are_read_on(tmp_path: Path) -> None:
+    bench = load_bench()
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     rng = np.random.default_rng(0)
     corpus = tmp_path / "corpus.jsonl"
@@ -69,3 +75,39 @@ def test_the_development_set_is_the_validation_tail_past_the_tokens_results_are_
     np.testing.assert_array_equal(open_site_shards(data, 1, 3, "gpt2", 50257)[1], val)  # validation untouched
     with pytest.raises(SystemExit, match="too few for a development set"):
         bench.dev_split(data, argparse.Namespace(val_batches=len(val), batch=1, model="tiny_llama"))
+
+
+def report(target: float, method: str, budget_s: float, curve: list[tuple[float, float]]) -> dict[str, Any]:
+    points = [{"t": t, "version": v, "loss": loss, "tokens": 1000 * v} for v, (t, loss) in enumerate(curve)]
+    row = {"method": method, "final_val_loss": curve[-1][1], "time_to_target_s": None, "tokens": 1000 * len(curve)}
+    row |= {"bytes_sent": 10, "versions": len(curve) - 1, "budget_s": budget_s, "curve": points}
+    return {"config": {"minutes": budget_s / 60}, "machine": {}, "target_val_loss": target, "rows": [row]}
+
+
+def test_merge_measures_the_speedup_once_fedavg_had_the_time_to_reach_the_target(tmp_path: Path) -> None:
+    bench = load_bench()
+    ours, fedavg, short = tmp_path / "ours.json", tmp_path / "fedavg.json", tmp_path / "short.json"
+    ours.write_text(json.dumps(report(5.0, "ours", 150, [(0, 10.0), (60, 6.0), (120, 4.9), (150, 4.5)])))
+    fedavg.write_text(json.dumps(report(5.0, "fedavg", 600, [(0, 10.0), (300, 6.0), (480, 4.95), (600, 4.8)])))
+    short.write_text(json.dumps(report(5.0, "fedavg", 150, [(0, 10.0), (150, 6.0)])))
+
+    merged = bench.merge([fedavg, ours])
+    assert [r["method"] for r in merged["rows"]] == ["ours", "fedavg"]  # the benchmark's order, not the files'
+    assert [r["time_to_target_s"] for r in merged["rows"]] == [120, 480]
+    assert merged["targets"]["speedup_vs_fedavg"] == {"value": 4.0, "met": True}
+    # within FedAvg's own budget only a bound is known: its budget over ours' time
+    assert bench.merge([ours, short])["targets"]["speedup_vs_fedavg"] == {"value": None, "at_least": 1.25, "met": False}
+
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(report(5.2, "fedavg", 600, [(0, 10.0)])))
+    with pytest.raises(SystemExit, match="has target 5.2.*rerun with the same --target"):
+        bench.merge([ours, other])
+    with pytest.raises(SystemExit, match="method fedavg is in more than one file"):
+        bench.merge([ours, fedavg, short])
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(SystemExit, match="bad.json is not a report of this benchmark"):
+        bench.merge([tmp_path / "bad.json"])
+
+    out = tmp_path / "merged.json"
+    assert bench.main(["--merge", str(ours), str(fedavg), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["targets"]["speedup_vs_fedavg"]["value"] == 4.0
