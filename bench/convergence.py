@@ -577,14 +577,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.merge:
         report = merge(args.merge)
-        print_table(report["rows"], report["target_val_loss"], report["targets"])
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.json}")
-        if args.png:
-            budgets = ", ".join(f"{r['method']} {r['budget_s'] / 60:g} min" for r in report["rows"])
-            plot(report["rows"], report["target_val_loss"], args.png, f"merged runs: {budgets}")
-            print(f"wrote {args.png}")
+        budgets = ", ".join(f"{r['method']} {r['budget_s'] / 60:g} min" for r in report["rows"])
+        write_report(report, args, f"merged runs: {budgets}")
         return 0
     started = time.time()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="geofed-convergence-"))
@@ -616,18 +610,24 @@ def main(argv: list[str] | None = None) -> int:
     checks["total_wall_s"] = {"value": round(wall, 1), "met": wall < 20 * 60}
     keys = ("method", "final_val_loss", "time_to_target_s", "tokens", "bytes_sent")
     table = [{k: r[k] for k in keys} | {k: v for k, v in r.items() if k not in keys} for r in rows.values()]
-    print_table(table, target, checks)
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("json", "png")}
+    skip = ("json", "png", "merge")
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in skip}
     config["local_steps"] = steps
     report = {"config": config, "machine": info, "target_val_loss": target, "rows": table, "targets": checks}
+    speeds = ":".join(f"{s:g}" for s in args.speeds)
+    write_report(report, args, f"sites at speeds {speeds}, {args.minutes:g} min per federated method")
+    return 0
+
+
+def write_report(report: dict[str, Any], args: argparse.Namespace, title: str) -> None:
+    """Print the table, write the JSON to --json and, with --png, the plot."""
+    print_table(report["rows"], report["target_val_loss"], report["targets"])
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.json}")
     if args.png:
-        speeds = ":".join(f"{s:g}" for s in args.speeds)
-        plot(table, target, args.png, f"sites at speeds {speeds}, {args.minutes:g} min per federated method")
+        plot(report["rows"], report["target_val_loss"], args.png, title)
         print(f"wrote {args.png}")
-    return 0
 
 
 if __name__ == "__main__":

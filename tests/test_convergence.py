@@ -108,6 +108,11 @@ def test_merge_measures_the_speedup_once_fedavg_had_the_time_to_reach_the_target
     with pytest.raises(SystemExit, match="bad.json is not a report of this benchmark"):
         bench.merge([tmp_path / "bad.json"])
 
-    out = tmp_path / "merged.json"
-    assert bench.main(["--merge", str(ours), str(fedavg), "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["targets"]["speedup_vs_fedavg"]["value"] == 4.0
+    out, png = tmp_path / "merged.json", tmp_path / "merged.png"
+    assert bench.main(["--merge", str(ours), str(fedavg), "--json", str(out), "--png", str(png)]) == 0
+    written = json.loads(out.read_text())
+    assert written["targets"]["speedup_vs_fedavg"]["value"] == 4.0
+    assert [s["file"] for s in written["merged_from"]] == [str(ours), str(fedavg)]
+    assert png.stat().st_size > 0
+    with pytest.raises(SystemExit):  # without --json the merge would replace the committed result
+        bench.main(["--merge", str(ours), str(fedavg)])
