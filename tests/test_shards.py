@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from geofed_hpc.config import DataConfig
 from geofed_hpc.data import BatchSampler, load_tokens
@@ -136,3 +137,24 @@ def test_a_site_config_with_first_shard_trains_that_shard(tmp_path: Path) -> Non
     np.testing.assert_array_equal(runtime.sampler.tokens, open_site_shards(out, 2, 3, "gpt2", 50257)[0])
     with pytest.raises(ConfigError, match="site.shard_count: is 2, but sites 2..2 need at least 3 shards"):
         SiteConfig(num_sites=1, first_shard=2, shard_count=2)
+
+
+def test_data_val_batch_size_keeps_the_validation_set_when_the_training_batch_changes(tmp_path: Path) -> None:
+    from geofed_hpc.client.runtime import build_runtime
+    from geofed_hpc.config import ModelConfig, RunConfig, SiteConfig, TrainConfig
+
+    out, _ = prepared(tmp_path, shards=1)
+    model = ModelConfig(n_layers=1, d_model=16, n_heads=2, d_ff=32, context=8)
+
+    def val(batch: int, val_batch_size: int) -> list[torch.Tensor]:
+        data = DataConfig(source=str(out), val_batches=3, val_batch_size=val_batch_size)
+        cfg = RunConfig(site=SiteConfig(num_sites=1), model=model, data=data, train=TrainConfig(batch_size=batch))
+        return [x for x, _ in build_runtime(cfg, 0).group.val]
+
+    small = val(2, 0)  # 0: batches of train.batch_size
+    assert [x.shape[0] for x in small] == [2, 2, 2]
+    assert [x.shape[0] for x in val(6, 0)] == [6, 6, 6]  # the old coupling: a larger batch reads more windows
+    same = val(6, 2)
+    assert len(same) == 3 and all(torch.equal(a, b) for a, b in zip(small, same, strict=True))
+    with pytest.raises(ConfigError, match="data.val_batch_size"):
+        DataConfig(val_batch_size=-1)

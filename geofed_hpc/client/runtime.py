@@ -108,15 +108,17 @@ def _data(
     trains data shard site.first_shard + site_index of site.shards."""
     shard, shards = cfg.site.first_shard + site_index, cfg.site.shards
     seed, batch, context = cfg.train.seed * 1000 + shard, cfg.train.batch_size, cfg.model.context
+    val_batch = cfg.data.val_batch_size or batch  # set, it fixes the validation windows whatever the training batch
     if is_squad(cfg.data.source):  # SQuAD v1.1 JSON: answer-only loss, exact match and F1 at each evaluation
         train_qa, val_qa = split_examples(cfg.data, shard, shards)
         return (
             QASampler(train_qa, batch, context, seed),
-            qa_eval_batches(val_qa, batch, context, cfg.data.val_batches),
+            qa_eval_batches(val_qa, val_batch, context, cfg.data.val_batches),
             val_qa,
         )
     train, val = site_tokens(cfg.data, cfg.model.vocab_size, shard, shards)
-    return BatchSampler(train, batch, context, seed=seed), eval_batches(val, batch, context, cfg.data.val_batches), []
+    sampler = BatchSampler(train, batch, context, seed=seed)
+    return sampler, eval_batches(val, val_batch, context, cfg.data.val_batches), []
 
 
 def _micro_batch(

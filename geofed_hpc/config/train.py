@@ -75,12 +75,14 @@ class DataConfig:
     val_fraction: float = 0.02
     max_tokens: int = 0
     val_batches: int = 8
+    val_batch_size: int = 0
 
     def __post_init__(self) -> None:
         one_of(self.tokenizer, ("gpt2",), "data.tokenizer")
         check(0.0 < self.val_fraction < 0.5, "data.val_fraction", f"must be in (0, 0.5), got {self.val_fraction}")
         check(self.max_tokens >= 0, "data.max_tokens", "must be 0 (all) or positive")
         check(self.val_batches >= 1, "data.val_batches", "must be at least 1")
+        check(self.val_batch_size >= 0, "data.val_batch_size", "must be 0 (train.batch_size) or positive")
         if self.source != "bible":
             check(
                 Path(self.source).exists(),
