@@ -116,3 +116,16 @@ def test_merge_measures_the_speedup_once_fedavg_had_the_time_to_reach_the_target
     assert png.stat().st_size > 0
     with pytest.raises(SystemExit):  # without --json the merge would replace the committed result
         bench.main(["--merge", str(ours), str(fedavg)])
+
+
+def test_centralized_trains_at_the_sites_batches_together_and_every_method_validates_alike(tmp_path: Path) -> None:
+    bench = load_bench()
+    args = bench.parse(["--json", str(tmp_path / "c.json")])
+    assert (args.batch, args.central_batch) == (8, 24)  # three sites of batch 8: a data-parallel batch of 24
+    configs = {m: bench.method_config(m, args, 4, tmp_path, tmp_path) for m in ("centralized", "ours", "fedavg")}
+    assert {m: c.train.batch_size for m, c in configs.items()} == {"centralized": 24, "ours": 8, "fedavg": 8}
+    assert {c.data.val_batch_size for c in configs.values()} == {8}  # the same validation windows for all
+    assert bench.parse(["--speeds", "1,4", "--batch", "4"]).central_batch == 8
+    assert bench.parse(["--central-batch", "8"]).central_batch == 8  # one process at the sites' batch
+    with pytest.raises(SystemExit):
+        bench.parse(["--central-batch", "-1"])
