@@ -446,9 +446,13 @@ def checks_for(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
         ref = interpolate(central["curve"], "tokens", at)
         assert ref is not None
         gap = ours["final_val_loss"] / ref - 1
-        check = {"value": round(gap, 4), "centralized_loss": round(ref, 4), "at_tokens": at, "met": gap <= 0.03}
-        check["centralized_batch"] = central.get("batch")
-        out["gap_vs_centralized_at_equal_tokens"] = check
+        out["gap_vs_centralized_at_equal_tokens"] = {
+            "value": round(gap, 4),
+            "centralized_loss": round(ref, 4),
+            "centralized_batch": central.get("batch"),
+            "at_tokens": at,
+            "met": gap <= 0.03,
+        }
     return out
 
 

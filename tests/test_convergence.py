@@ -44,6 +44,7 @@ def test_ours_and_fedavg_both_lower_the_validation_loss(tmp_path: Path) -> None:
         assert first["version"] == 0, (method, row["curve"])
         assert row["final_val_loss"] < first["loss"], (method, row["curve"])
         assert row["tokens"] > 0 and row["bytes_sent"] > 0
+        assert row["batch"] == 8  # the sites' training batch, recorded with the row
     assert png.stat().st_size > 0
 
 
