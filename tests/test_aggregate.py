@@ -8,7 +8,6 @@ from geofed_hpc.ps.aggregate import (
     OuterOptimizer,
     RelativeWork,
     add_update,
-    apply_update,
     buffer_full,
     clip_scale,
     coordinate_median,
@@ -148,14 +147,10 @@ def test_relative_work_weighs_tokens_against_the_recent_mean() -> None:
         RelativeWork(window=0)
 
 
-def test_apply_and_add_update_check_shapes() -> None:
-    params = {"w": np.ones((2, 2), dtype=np.float32)}
-    apply_update(params, {"w": np.full((2, 2), 2.0, dtype=np.float32)}, 0.5)
-    np.testing.assert_array_equal(params["w"], np.full((2, 2), 2.0))
+def test_add_update_adds_exactly_and_checks_shapes() -> None:
+    params = {"w": np.full((2, 2), 2.0, dtype=np.float32)}
     add_update(params, {"w": np.full((2, 2), 0.25, dtype=np.float32)})
     np.testing.assert_array_equal(params["w"], np.full((2, 2), 2.25))
-    with pytest.raises(ValueError, match="shape"):
-        apply_update(params, {"w": np.zeros(4, dtype=np.float32)}, 1.0)
     with pytest.raises(ValueError, match="shape"):
         add_update(params, {"w": np.zeros(4, dtype=np.float32)})
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from geofed_hpc import codec
+from geofed_hpc import codec, faults
 from geofed_hpc.ckpt import CheckpointStore
 from geofed_hpc.ckpt.atomic import TEMP_MARKER
 from geofed_hpc.config import CodecConfig
@@ -25,7 +25,6 @@ from geofed_hpc.errors import UnavailableError
 from geofed_hpc.ps.app import ParameterServer
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
-from geofed_hpc.testing import faults
 from geofed_hpc.testing.partition import Partition
 from tests.conftest import ps_config, small_params
 from tests.dist_util import free_port

@@ -8,8 +8,8 @@ import secrets
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
-from geofed_hpc.testing.faults import fault
 
 TEMP_MARKER = ".tmp-"
 Chunk = bytes | bytearray | memoryview

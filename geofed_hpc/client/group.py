@@ -24,9 +24,9 @@ from geofed_hpc.client.steps import Stepper
 from geofed_hpc.data import BatchSampler
 from geofed_hpc.data.squad import QAExample, QASampler, greedy_answers, score
 from geofed_hpc.errors import ProtocolError
+from geofed_hpc.paradigms.exchange import Params
 from geofed_hpc.paradigms.site import SiteParadigm
 
-Arrays = dict[str, np.ndarray]
 _ARGS = 4
 
 
@@ -153,14 +153,14 @@ class SiteGroup:
     def _answers(self) -> list[str]:
         return greedy_answers(self.model, self.questions, self.sampler.context, self.stepper.device)
 
-    def model_arrays(self) -> Arrays:
+    def model_arrays(self) -> Params:
         """Full float32 parameters by name (tied once), on rank 0. In a one-process site on CPU these are views of
         the parameters: use them before the next step (encode, subtract, write), never keep them."""
         with self._collective(Cmd.GATHER_MODEL):
             state = full_state(self.model)
         return {k: v.numpy() for k, v in state.items()}
 
-    def optimizer_arrays(self) -> Arrays:
+    def optimizer_arrays(self) -> Params:
         """The optimizer state as `optim/<param>/<key>` float32 arrays, on rank 0 (views, as model_arrays)."""
         if not self.multi:  # no collective needed: read the state where it is
             names = {id(p): n for n, p in self.model.named_parameters()}
@@ -214,7 +214,7 @@ class SiteGroup:
             groups.append(entry)
         return groups
 
-    def rng_state(self) -> Arrays:
+    def rng_state(self) -> Params:
         """Torch RNG states (CPU, and this GPU's) as uint8 arrays."""
         out = {"rng/cpu": torch.get_rng_state().numpy().copy()}
         if self.stepper.device.type == "cuda":

@@ -10,18 +10,18 @@ import numpy as np
 
 from geofed_hpc import codec
 from geofed_hpc.ckpt.secret import read_secret
-from geofed_hpc.client.params import Arrays
 from geofed_hpc.client.trainer_api import Site
 from geofed_hpc.config import CodecConfig
 from geofed_hpc.errors import AuthError, CodecError, ProtocolError, StaleError
 from geofed_hpc.log import logger
 from geofed_hpc.metrics import Recorder
 from geofed_hpc.paradigms import Exchange
+from geofed_hpc.paradigms.exchange import Params
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 
 
-def apply_updates(base: Arrays, header: m.ModelHeader, payload: bytes, exchange: Exchange | None = None) -> Arrays:
+def apply_updates(base: Params, header: m.ModelHeader, payload: bytes, exchange: Exchange | None = None) -> Params:
     """Add the PS's encoded global updates (header.segments, in version order) to `base` in place, the same
     float32 adds the PS made (each update expanded by the paradigm as the PS does), so `base` stays
     bit-identical to the global model."""
@@ -80,7 +80,7 @@ class Joining:
         self.base, self.version, self.base_global = arrays, header.version, True
         self._work_id = ""  # work since this base is new work
 
-    def _with_private(self: Site, arrays: Arrays) -> Arrays:
+    def _with_private(self: Site, arrays: Params) -> Params:
         """The global model plus this site's private tensors (hybrid_lora's adapters), which it never sends."""
         if not self.private:
             return arrays

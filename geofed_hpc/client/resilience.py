@@ -12,11 +12,11 @@ import numpy as np
 
 from geofed_hpc import codec
 from geofed_hpc.client.deferred import Deferred
-from geofed_hpc.client.params import Arrays
 from geofed_hpc.client.trainer_api import Site
 from geofed_hpc.config import PSConfig
 from geofed_hpc.errors import AuthError, GeofedError, UnavailableError
 from geofed_hpc.log import logger
+from geofed_hpc.paradigms.exchange import Params
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 
@@ -165,7 +165,7 @@ class RidesOutages:
         held.confirm()
         return True
 
-    def _remaining(self: Site, update: Arrays) -> Arrays:
+    def _remaining(self: Site, update: Params) -> Params:
         """`update` (local - base) less the confirmed attempts of this outage (their decoded payloads), in place:
         the work the PS does not hold yet. Their codec error stays in it; the old residual is added on encoding."""
         for payload in self.deferred.applied:

@@ -22,7 +22,6 @@ from geofed_hpc.ckpt.best import BestCheckpoints
 from geofed_hpc.client.checkpointing import Checkpointing
 from geofed_hpc.client.deferred import Deferred
 from geofed_hpc.client.joining import Joining
-from geofed_hpc.client.params import Arrays
 from geofed_hpc.client.resilience import HeartbeatClock, RidesOutages, push_budget
 from geofed_hpc.client.runtime import build_runtime
 from geofed_hpc.client.telemetry import RttMeter, SyncTimer, gpu_metrics, preemptions, rss_gb
@@ -31,6 +30,7 @@ from geofed_hpc.config import CodecConfig, RunConfig, to_dict
 from geofed_hpc.errors import GeofedError, StaleError, UnavailableError
 from geofed_hpc.log import logger
 from geofed_hpc.metrics import Recorder
+from geofed_hpc.paradigms.exchange import Params
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 
@@ -64,9 +64,9 @@ class SiteTrainer(Checkpointing, Joining, RidesOutages):
         self.qa: dict[str, float] = {}
         self._evaluated_at = -math.inf  # time.monotonic() of the last evaluation of the global model
         self.val_version = -1  # the version val_loss was measured at
-        self._disk_model: Arrays = {}
+        self._disk_model: Params = {}
         self.store = CheckpointStore(self.dir / "ckpt", prefix="site", keep=2)
-        self.base: Arrays = {}
+        self.base: Params = {}
         self.base_global = True  # base is the PS's model at `version`, bit for bit (False: our pushed model)
         self.version = 0
         self.deferred = Deferred()  # work not pushed yet because the PS was unreachable (resilience.py)

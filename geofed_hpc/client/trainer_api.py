@@ -10,7 +10,6 @@ from geofed_hpc import codec
 from geofed_hpc.ckpt import CheckpointStore
 from geofed_hpc.ckpt.best import BestCheckpoints
 from geofed_hpc.client.group import SiteGroup
-from geofed_hpc.client.params import Arrays
 from geofed_hpc.client.runtime import SiteRuntime
 from geofed_hpc.client.telemetry import SyncTimer
 from geofed_hpc.config import RunConfig
@@ -18,6 +17,7 @@ from geofed_hpc.data import BatchSampler
 from geofed_hpc.data.squad import QASampler
 from geofed_hpc.metrics import Recorder
 from geofed_hpc.paradigms import Exchange
+from geofed_hpc.paradigms.exchange import Params
 from geofed_hpc.paradigms.site import SiteParadigm
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
@@ -44,7 +44,7 @@ class Site(Protocol):
     rec: Recorder | None
     session: m.JoinReply
     deferred: Deferred
-    base: Arrays
+    base: Params
     base_global: bool
     version: int
     syncs: int
@@ -54,7 +54,7 @@ class Site(Protocol):
     val_version: int
     job_id: str
     timer: SyncTimer
-    _disk_model: Arrays
+    _disk_model: Params
     _syncs_after_push: int
     _work_id: str
     _attempt: tuple[m.PushHeader, bytes] | None
@@ -78,7 +78,7 @@ class Site(Protocol):
 
     def _disk_is_current(self, meta: dict[str, Any] | None) -> bool: ...
 
-    def _with_private(self, arrays: Arrays) -> Arrays: ...
+    def _with_private(self, arrays: Params) -> Params: ...
 
     def _join(self, client: PSClient, meta: dict[str, Any] | None) -> m.JoinReply: ...
 

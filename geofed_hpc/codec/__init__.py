@@ -3,11 +3,9 @@
 from geofed_hpc.codec.adaptive import LinkAdaptive
 from geofed_hpc.codec.feedback import ErrorFeedback
 from geofed_hpc.codec.inputs import TensorSource
-from geofed_hpc.codec.schemes import CODECS
 from geofed_hpc.codec.stream import Piece, StreamDecoder, codec_name, decode, encode, encode_frames
 
 __all__ = [
-    "CODECS",
     "ErrorFeedback",
     "LinkAdaptive",
     "Piece",

@@ -18,7 +18,6 @@ from geofed_hpc.errors import CodecError
 
 LEVELS = {"int16": 65535, "int8": 255, "int4": 15}
 MINMAX = tuple(LEVELS)
-CODECS = ("fp32", "bf16", *MINMAX, "paper_int8")
 _BF16_MAX = 0x7F7F  # largest finite bfloat16 magnitude
 
 

@@ -26,7 +26,7 @@ from geofed_hpc.codec.frames import DATA, END, HEADER, FrameReader
 from geofed_hpc.codec.inputs import Tensor, pieces, tensors_of
 from geofed_hpc.codec.quant import block_minmax, block_scales, num_blocks
 from geofed_hpc.codec.zstdio import Inflater, compress_parts, compressor
-from geofed_hpc.config import CodecConfig
+from geofed_hpc.config import WIRE_CODECS, CodecConfig
 from geofed_hpc.errors import CodecError
 from geofed_hpc.log import logger
 
@@ -108,10 +108,8 @@ def _frame_parts(
     frame_bytes: int = 0,
 ) -> Iterator[list[bytes | memoryview]]:
     """encode_frames, with each frame as the list of byte strings it joins (so encode copies once)."""
-    if cfg.name not in schemes.CODECS:
-        raise CodecError(
-            f"codec.name: {cfg.name!r} is not a wire codec; encode with one of {', '.join(schemes.CODECS)}"
-        )
+    if cfg.name not in WIRE_CODECS:
+        raise CodecError(f"codec.name: {cfg.name!r} is not a wire codec; encode with one of {', '.join(WIRE_CODECS)}")
     ts = tensors_of(tensors)
     step = piece_len(cfg.block_size)
     plan, extra, bounds = _plan(ts, cfg, step)
@@ -227,8 +225,8 @@ def _parse_header(body: memoryview) -> tuple[bytes, Header]:
     keys = {"codec", "block_size", "piece", "tensors"} | ({"huffman"} if codec == "paper_int8" else set())
     if set(raw) != keys:
         raise CodecError(f"header: expected keys {', '.join(sorted(keys))}; got {', '.join(sorted(raw))}")
-    if codec not in schemes.CODECS:
-        raise CodecError(f"header: codec {codec!r:.100} is unknown; expected one of {', '.join(schemes.CODECS)}")
+    if codec not in WIRE_CODECS:
+        raise CodecError(f"header: codec {codec!r:.100} is unknown; expected one of {', '.join(WIRE_CODECS)}")
     block_size, piece, tensors = raw["block_size"], raw["piece"], raw["tensors"]
     if not _is_int(block_size, 1, _MAX_BLOCK):
         raise CodecError(f"header: block_size must be an integer in 1..{_MAX_BLOCK}, got {block_size!r:.100}")

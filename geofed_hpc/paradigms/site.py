@@ -16,6 +16,7 @@ from geofed_hpc.paradigms.exchange import (
     ZO_CHECK,
     ZO_COEF,
     Exchange,
+    Params,
     ZerothOrder,
     _leaf,
     direction_check,
@@ -23,7 +24,6 @@ from geofed_hpc.paradigms.exchange import (
     exchange_for,
 )
 
-Arrays = dict[str, np.ndarray]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 STATE_PREFIX = "paradigm/"
 
@@ -52,7 +52,7 @@ class SiteParadigm:
     def set_phase(self, model: nn.Module, phase: int) -> None:
         """Make the parameters of `phase` the ones with gradients."""
 
-    def wire_update(self, local: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray]) -> Arrays:
+    def wire_update(self, local: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray]) -> Params:
         """What a push carries: phi(local) - phi(base) over the exchanged tensors."""
         return {
             k: (local[k] - v).astype(np.float32, copy=False) for k, v in base.items() if self.exchange.is_exchanged(k)
@@ -64,7 +64,7 @@ class SiteParadigm:
     def step(self, model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> float:
         raise ConfigError(f"paradigm {self.cfg.name} trains with the optimizer, not a custom step")
 
-    def state(self) -> Arrays:
+    def state(self) -> Params:
         """Checkpoint tensors (paradigm/<name>) of an unfinished round."""
         return {}
 
@@ -161,14 +161,14 @@ class ZerothOrderSite(SiteParadigm):
         self.coefs.append(coef)
         return (plus + minus) / 2
 
-    def wire_update(self, local: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray]) -> Arrays:
+    def wire_update(self, local: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray]) -> Params:
         coefs = np.zeros(self.zo.steps, np.float32)
         coefs[: len(self.coefs)] = self.coefs
         spec = {k: tuple(v.shape) for k, v in base.items()}
         self.coefs = []
         return {ZO_COEF: coefs, ZO_CHECK: np.array([direction_check(self.seed, self.version, spec)], np.float32)}
 
-    def state(self) -> Arrays:
+    def state(self) -> Params:
         """The round's coefficients so far and the (version, seed) their directions came from."""
         return {
             STATE_PREFIX + ZO_COEF: np.asarray(self.coefs, np.float32),

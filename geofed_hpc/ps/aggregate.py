@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-Params = dict[str, np.ndarray]
+from geofed_hpc.paradigms.exchange import Params
 
 
 class MeanAccumulator:
@@ -177,15 +177,6 @@ class OuterOptimizer:
 
     def load_state(self, buffers: Mapping[str, np.ndarray]) -> None:
         self.buffers = {k: np.asarray(v, dtype=np.float32) for k, v in buffers.items()}
-
-
-def apply_update(params: Params, update: Mapping[str, np.ndarray], lr: float) -> None:
-    """Theta <- Theta + lr * update, in place; names and shapes must match."""
-    for k, v in update.items():
-        target = params[k]
-        if target.shape != v.shape:
-            raise ValueError(f"{k}: update shape {v.shape} != parameter shape {target.shape}")
-        target += np.float32(lr) * v
 
 
 def add_update(params: Params, update: Mapping[str, np.ndarray]) -> None:

@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from geofed_hpc.ckpt.atomic import atomic_write_bytes, clean_temp_files, fsync_dir
+from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import digest
-from geofed_hpc.testing.faults import fault
 
 
 @dataclass

@@ -19,6 +19,7 @@ from geofed_hpc.errors import (
     StaleError,
     UnavailableError,
 )
+from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
 from geofed_hpc.ps.aggregate import Params, staleness_discount
 from geofed_hpc.ps.journal import sync_file
@@ -27,7 +28,6 @@ from geofed_hpc.ps.sessions import Session
 from geofed_hpc.ps.state import Contribution, GlobalState
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import first_header, to_chunks
-from geofed_hpc.testing.faults import fault
 
 MAX_REMEMBERED_PUSHES = 10_000
 

@@ -16,6 +16,7 @@ import numpy as np
 from geofed_hpc import codec
 from geofed_hpc.config import CodecConfig, PSConfig
 from geofed_hpc.errors import CheckpointError, GeofedError
+from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
 from geofed_hpc.paradigms.exchange import Exchange
 from geofed_hpc.ps.aggregate import OuterOptimizer, Params, add_update
@@ -28,7 +29,6 @@ from geofed_hpc.ps.staging import Staging
 from geofed_hpc.ps.tokens import TokenVerifier, tokens_path
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import digest
-from geofed_hpc.testing.faults import fault
 
 PERSISTED_PUSH_IDS = 2_000
 CHAIN_CACHE = 4  # update chains kept ready per version (sites at different versions ask for different ones)

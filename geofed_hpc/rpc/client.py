@@ -12,13 +12,14 @@ import grpc
 
 from geofed_hpc.config import PSConfig
 from geofed_hpc.errors import GeofedError, UnavailableError, from_grpc_code
+from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc import serde
 from geofed_hpc.rpc.channel import channel_credentials, client_options
 from geofed_hpc.rpc.retry import Backoff
 from geofed_hpc.rpc.stream import collect, digest, to_chunks
-from geofed_hpc.testing.faults import fault
+from geofed_hpc.rpc.tls import diagnose
 
 T = TypeVar("T")
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -26,6 +27,8 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 # site's training loop or an operator's `status` never sits through a long outage on them.
 QUICK_BUDGET = timedelta(seconds=4)
 QUICK_TIMEOUT = timedelta(seconds=15)
+# A failed connect or Join probes the address once with the standard library to name a TLS mistake (tls.diagnose).
+DIAGNOSE_TIMEOUT = timedelta(seconds=3)
 
 
 class PSClient:
@@ -84,11 +87,20 @@ class PSClient:
             wait = min(wait * 2, 8.0)
 
     def _unreachable(self, timeout: timedelta, attempts: int) -> str:
+        why = self._diagnosis()
+        if why:
+            return f"{why} ({attempts} attempts in {timeout.total_seconds():g}s)"
         return (
             f"cannot reach the parameter server at {self.address} after {timeout.total_seconds():g}s "
             f"({attempts} attempts): check that `geofed-hpc ps up` is running there, that the port is open "
             f"to this host (firewall, proxy), that ps.address is right, and that ps.insecure matches the server"
         )
+
+    def _diagnosis(self) -> str:
+        """Why the handshake fails when something answers at the address (TLS against plaintext, a CA or client
+        certificate the PS does not take), in one line naming the setting; '' when nothing answers or all is fine."""
+        why = diagnose(self.address, self.cfg, DIAGNOSE_TIMEOUT)
+        return "" if why.startswith("nothing answers") else why
 
     def _call(self, name: str, fn: Callable[[], T], budget: timedelta | None = None) -> T:
         """Call `fn`; while it fails with UNAVAILABLE or DEADLINE_EXCEEDED, retry with jittered exponential
@@ -121,7 +133,13 @@ class PSClient:
 
     def join(self, request: m.JoinRequest) -> m.JoinReply:
         """Join (after `connect`, which waits for the PS): retried briefly, so a TLS or proxy mistake shows now."""
-        return self._call("Join", lambda: self._calls["Join"](request, timeout=self._timeout()), QUICK_BUDGET)
+        try:
+            return self._call("Join", lambda: self._calls["Join"](request, timeout=self._timeout()), QUICK_BUDGET)
+        except UnavailableError as exc:
+            why = self._diagnosis()
+            if why:
+                raise UnavailableError(f"{why} ({exc})") from None
+            raise
 
     def _quick(self) -> float:
         return min(self._timeout(), QUICK_TIMEOUT.total_seconds())

@@ -1,4 +1,4 @@
-"""Scripted fault injection at named points (GEOFED_FAULTS="point[label]@N=action,..."); free when unset."""
+"""Fault injection at named points production code calls (GEOFED_FAULTS="point[label]@N=action,..."); off when unset."""
 
 from __future__ import annotations
 
