@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from geofed_hpc.client.distributed import first_host, holders, port_for, site_ranks, wait_released
+from geofed_hpc.client.distributed import holders, port_for, site_ranks, wait_released
+from geofed_hpc.client.job import global_rank
 from geofed_hpc.client.microbatch import (
     cache_key,
     cpu_micro_batch,
@@ -34,20 +35,49 @@ LLAMA = ModelConfig(
 )
 
 
-def test_first_host_of_slurm_node_lists() -> None:
-    assert first_host("gpu[007-009,012],cpu1") == "gpu007"
-    assert first_host("node17") == "node17"
-    assert first_host("a01,b02") == "a01"
-    assert first_host("n[3-4]-ib") == "n3-ib"
+JOB_VARIABLES = (
+    "SUBMITIT_EXECUTOR", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+    "SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_NUM_NODES",
+    "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID",
+)  # fmt: skip
+
+
+def _no_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in JOB_VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "head"),
+    [("gpu[007-009,012],cpu1", "gpu007"), ("node17", "node17"), ("a01,b02", "a01"), ("n[3-4]-ib", "n3-ib")],
+)
+def test_master_address_is_the_first_host_of_the_slurm_node_list(
+    monkeypatch: pytest.MonkeyPatch, nodes: str, head: str
+) -> None:
+    _no_job(monkeypatch)
+    for key, value in {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": nodes}.items():
+        monkeypatch.setenv(key, value)
+    assert site_ranks().master_addr == head
+    monkeypatch.delenv("SUBMITIT_EXECUTOR")  # inside an allocation, without submitit: the same node list
+    assert site_ranks().master_addr == head
+
+
+def test_an_unreadable_node_list_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_job(monkeypatch)
+    for key, value in {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "gpu[007-"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=r"SLURM_JOB_NODELIST: cannot read a host name from 'gpu\[007-'"):
+        site_ranks()
+    monkeypatch.delenv("SUBMITIT_EXECUTOR")
     with pytest.raises(ConfigError, match="SLURM_JOB_NODELIST"):
-        first_host("")
+        site_ranks()
 
 
 def test_ranks_from_submitit_slurm_torchrun_and_none(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("SUBMITIT_EXECUTOR", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "SLURM_JOB_NODELIST"):
-        monkeypatch.delenv(var, raising=False)
+    _no_job(monkeypatch)
     single = site_ranks()
     assert (single.rank, single.world_size, single.master_addr, single.is_main) == (0, 1, "127.0.0.1", True)
+    assert (single.local_world_size, single.num_nodes, global_rank()) == (1, 1, 0)
 
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
     slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1"}
@@ -56,8 +86,16 @@ def test_ranks_from_submitit_slurm_torchrun_and_none(monkeypatch: pytest.MonkeyP
     ranks = site_ranks()
     assert (ranks.rank, ranks.local_rank, ranks.world_size, ranks.job_id) == (5, 1, 8, "4242")
     assert ranks.master_addr == "gpu007" and ranks.master_port == port_for("4242") and not ranks.is_main
+    assert (ranks.local_world_size, ranks.num_nodes, global_rank()) == (2, 4, 5)
+    assert 20000 <= ranks.master_port <= 60000
+    monkeypatch.setenv("SLURM_PROCID", "0")  # every task of the job meets at the same port; another job elsewhere
+    assert site_ranks().master_port == ranks.master_port and site_ranks().is_main
+    monkeypatch.setenv("SLURM_JOB_ID", "4243")
+    assert site_ranks().master_port != ranks.master_port
     monkeypatch.setenv("MASTER_PORT", "29999")
-    assert site_ranks().master_port == 29999
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.9")
+    assert (site_ranks().master_addr, site_ranks().master_port) == ("10.0.0.9", 29999)
+    monkeypatch.delenv("MASTER_ADDR")
 
     monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")  # submitit's LocalExecutor: one node, loopback
     local = {"SUBMITIT_LOCAL_JOB_ID": "77", "SUBMITIT_LOCAL_NTASKS": "2", "SUBMITIT_LOCAL_GLOBALID": "1"}
@@ -65,9 +103,17 @@ def test_ranks_from_submitit_slurm_torchrun_and_none(monkeypatch: pytest.MonkeyP
         monkeypatch.setenv(key, value)
     ranks = site_ranks()
     assert (ranks.rank, ranks.world_size, ranks.master_addr) == (1, 2, "127.0.0.1")
+    assert (ranks.local_world_size, ranks.num_nodes, global_rank()) == (2, 1, 1)
 
-    monkeypatch.delenv("SUBMITIT_EXECUTOR")
-    monkeypatch.setenv("RANK", "3")
+    monkeypatch.delenv("SUBMITIT_EXECUTOR")  # torchrun: its variables
+    for key, value in {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_ADDR", "node-a")
+    ranks = site_ranks()
+    assert (ranks.rank, ranks.local_rank, ranks.world_size, ranks.master_addr, ranks.master_port) == (
+        3, 1, 4, "node-a", 29999
+    )  # fmt: skip
+    assert (ranks.local_world_size, ranks.num_nodes, global_rank()) == (2, 2, 3)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="rank 3 is outside"):
         site_ranks()

@@ -131,14 +131,22 @@ def test_site_run_dir_is_fixed_and_expands_the_login_environment() -> None:
 
 
 def test_submission_environment_drops_inherited_slurm_variables(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SLURM_MEM_PER_CPU", "10")
-    monkeypatch.setenv("SLURM_JOB_ID", "999")
-    monkeypatch.setenv("SLURM_CONF", "/etc/slurm/slurm.conf")
+    inherited = {
+        "SLURM_MEM_PER_CPU": "10", "SLURM_JOB_ID": "999", "SLURMD_NODENAME": "gpu007", "SRUN_DEBUG": "3",
+        "SBATCH_MEM_BIND": "local", "SUBMITIT_EXECUTOR": "slurm", "MASTER_ADDR": "gpu007", "MASTER_PORT": "29500",
+        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+    }  # fmt: skip
+    for key, value in {**inherited, "SLURM_CONF": "/etc/slurm/slurm.conf", "HOME": "/home/alice"}.items():
+        monkeypatch.setenv(key, value)
     with slurm.submission_environment() as dropped:
-        assert "SLURM_MEM_PER_CPU" not in os.environ and "SLURM_JOB_ID" not in os.environ
-        assert os.environ["SLURM_CONF"] == "/etc/slurm/slurm.conf"
-        assert {"SLURM_MEM_PER_CPU", "SLURM_JOB_ID"} <= set(dropped)
-    assert os.environ["SLURM_MEM_PER_CPU"] == "10" and os.environ["SLURM_JOB_ID"] == "999"
+        assert not set(inherited) & set(os.environ)
+        assert os.environ["SLURM_CONF"] == "/etc/slurm/slurm.conf" and os.environ["HOME"] == "/home/alice"
+        assert set(inherited) <= set(dropped) and "SLURM_CONF" not in dropped
+    assert {key: os.environ[key] for key in inherited} == inherited
+    assert os.environ["SLURM_CONF"] == "/etc/slurm/slurm.conf"
+    with pytest.raises(RuntimeError, match="sbatch failed"), slurm.submission_environment():
+        raise RuntimeError("sbatch failed")
+    assert {key: os.environ[key] for key in inherited} == inherited  # restored after an error too
 
 
 def test_missing_sbatch_names_the_command_and_why(tmp_path: Path) -> None:

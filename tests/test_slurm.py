@@ -211,12 +211,18 @@ def test_accounting_and_job_states_with_and_without_sacct(cluster: None, tmp_pat
     assert states["987654"].state == "UNKNOWN"
 
 
-def test_inherited_allocation_variables_break_srun_unless_cleared(cluster: None, tmp_path: Path) -> None:
+def test_inherited_allocation_variables_break_srun_unless_cleared(
+    cluster: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     script = tmp_path / "job.sh"
     script.write_text("#!/bin/bash\n#SBATCH --mem=100M\n#SBATCH -c 1\nsrun true && echo SRUN_OK\n")
-    polluted = {**os.environ, **INHERITED}
+    for key, value in INHERITED.items():
+        monkeypatch.setenv(key, value)
+    polluted = dict(os.environ)
+    with slurm.submission_environment():
+        cleared = dict(os.environ)
     outputs = {}
-    for name, env in (("inherited", polluted), ("cleared", executor.clean_environment(polluted))):
+    for name, env in (("inherited", polluted), ("cleared", cleared)):
         out = tmp_path / f"{name}.out"
         job_id = subprocess.run(
             ["sbatch", "--parsable", "-o", str(out), str(script)], env=env, capture_output=True, text=True, check=True

@@ -1,83 +1,23 @@
-"""torch.distributed for a site job: ranks from submitit/Slurm (or torchrun), gloo on CPU, nccl on GPU."""
+"""torch.distributed for a site job: ranks from submitit (client/ranks.py) or torchrun, gloo on CPU, nccl on GPU."""
 
 from __future__ import annotations
 
-import os
-import re
 import sys
 import time
-import zlib
-from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 
-import submitit
 import torch
 import torch.distributed as dist
 
+from geofed_hpc.client.ranks import SiteRanks as SiteRanks
+from geofed_hpc.client.ranks import port_for as port_for
+from geofed_hpc.client.ranks import site_ranks as site_ranks
 from geofed_hpc.errors import ConfigError
 from geofed_hpc.log import logger
 
-PORT_BASE, PORT_SPAN = 20000, 20000
 # How long `wait_released` waits for the process group's threads to let go of a collective's tensor.
 RELEASE_TIMEOUT = timedelta(seconds=10)
 RELEASE_LINGER = timedelta(milliseconds=20)
-
-
-@dataclass(frozen=True)
-class SiteRanks:
-    """Where this process sits in its site job, and where rank 0 listens for the others."""
-
-    rank: int = 0
-    local_rank: int = 0
-    world_size: int = 1
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0
-    job_id: str = ""
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def first_host(nodelist: str) -> str:
-    """The first host of a Slurm node list: 'gpu[007-009,012],cpu1' -> 'gpu007', 'a,b' -> 'a'."""
-    match = re.match(r"^([^,\[]+)(?:\[([^\]]+)\])?([^,]*)", nodelist.strip())
-    if not match or not match.group(1):
-        raise ConfigError(f"SLURM_JOB_NODELIST: cannot read a host name from {nodelist!r}")
-    prefix, ranges, suffix = match.groups()
-    if not ranges:
-        return prefix + suffix
-    first = ranges.split(",")[0].split("-")[0]
-    return f"{prefix}{first}{suffix}"
-
-
-def port_for(job_id: str) -> int:
-    """A rendezvous port derived from the job id, so two site jobs on one node do not collide."""
-    return PORT_BASE + zlib.crc32(job_id.encode()) % PORT_SPAN
-
-
-def site_ranks(env: Mapping[str, str] | None = None) -> SiteRanks:
-    """Ranks from submitit's JobEnvironment inside a job, else torchrun's RANK/WORLD_SIZE, else one process.
-
-    MASTER_ADDR: $MASTER_ADDR, else the first host of SLURM_JOB_NODELIST under Slurm, else 127.0.0.1.
-    MASTER_PORT: $MASTER_PORT, else derived from the job id.
-    """
-    env = os.environ if env is None else env
-    nodes = env.get("SLURM_JOB_NODELIST", "")
-    try:
-        job = submitit.JobEnvironment()
-        rank, local, world, job_id = job.global_rank, job.local_rank, job.num_tasks, job.job_id
-        head = job.hostnames[0] if job.cluster == "slurm" and nodes else "127.0.0.1"
-    except RuntimeError:  # not inside a submitit job: torchrun's variables, or one process
-        rank, local = int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0))
-        world, job_id = int(env.get("WORLD_SIZE", 1)), env.get("SLURM_JOB_ID", "")
-        head = first_host(nodes) if nodes and job_id else "127.0.0.1"
-    if not 0 <= rank < world:
-        raise ConfigError(f"rank {rank} is outside the job's {world} tasks; check the job's task count")
-    addr = env.get("MASTER_ADDR", "") or head
-    port = int(env.get("MASTER_PORT", 0)) or port_for(job_id or str(os.getppid()))
-    return SiteRanks(rank, local, world, addr, port, job_id)
 
 
 def pick_device(ranks: SiteRanks, want: str = "auto") -> torch.device:

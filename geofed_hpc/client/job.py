@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import submitit
 
+from geofed_hpc.client.ranks import site_ranks
 from geofed_hpc.config import RunConfig, from_dict
 from geofed_hpc.log import logger, setup_logging
 
@@ -34,11 +35,8 @@ class Stoppable(Protocol):
 
 
 def global_rank() -> int:
-    """This task's rank in a submitit job (0 outside one)."""
-    try:
-        return int(submitit.JobEnvironment().global_rank)
-    except RuntimeError:
-        return int(os.environ.get("SLURM_PROCID", "0") or 0)
+    """This task's rank in its site job: submitit's, else torchrun's, else 0 (see client/ranks.py; no torch)."""
+    return site_ranks().rank
 
 
 class StopHandler:

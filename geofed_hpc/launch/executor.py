@@ -21,8 +21,6 @@ from geofed_hpc.errors import ConfigError
 SHARED_FS_TYPES = frozenset(
     {"nfs", "nfs4", "lustre", "gpfs", "beegfs", "ceph", "cephfs", "cifs", "smb3", "panfs", "wekafs", "vast", "9p"}
 )
-# Inherited from an enclosing allocation, these confuse sbatch and srun in the new job; SLURM_CONF stays.
-KEEP_SLURM_ENV = frozenset({"SLURM_CONF"})
 _VAR = re.compile(r"\$(\w+)|\$\{(\w+)\}")
 
 
@@ -144,11 +142,6 @@ def sbatch_preview(cfg: RunConfig, site_index: int, run_dir: Path) -> str:
     """The batch script submitit will write for this site job, built by submitit's own function."""
     folder = job_folder(run_dir, f"{cfg.site.name}-{site_index}")
     return _make_sbatch_string(command=submit_command(cfg, folder), folder=folder, **sbatch_parameters(cfg, site_index))
-
-
-def clean_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment to submit from: without SLURM_* variables inherited from an enclosing allocation."""
-    return {k: v for k, v in environ.items() if not k.startswith("SLURM_") or k in KEEP_SLURM_ENV}
 
 
 def mount_of(path: Path, mounts: str) -> tuple[str, str]:

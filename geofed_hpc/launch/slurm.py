@@ -19,7 +19,6 @@ from geofed_hpc.config import RunConfig, to_dict
 from geofed_hpc.errors import LaunchError
 from geofed_hpc.launch.executor import (
     check_slurm_site,
-    clean_environment,
     job_folder,
     python_command,
     sbatch_parameters,
@@ -31,6 +30,7 @@ from geofed_hpc.launch.manifest import JobRecord
 from geofed_hpc.log import logger
 
 COMMAND_TIMEOUT = timedelta(seconds=30)
+KEEP_SLURM_CONF = "SLURM_CONF"  # inherited, yet kept while submitting: it names the cluster sbatch talks to
 # States a job passes through on its way back to RUNNING: never shown as failed.
 TRANSIENT = frozenset(
     {
@@ -78,19 +78,18 @@ def require(command: str, why: str) -> str:
 
 @contextlib.contextmanager
 def submission_environment() -> Iterator[list[str]]:
-    """Drop SLURM_* variables inherited from an enclosing allocation while submitting; restore them after."""
-    saved = dict(os.environ)
-    clean = clean_environment(saved)
-    dropped = sorted(set(saved) - set(clean))
-    if dropped:
-        logger.info("submitting without inherited %s", ", ".join(dropped))
-    os.environ.clear()
-    os.environ.update(clean)
-    try:
+    """Submit without what an enclosing allocation or job left in the environment (submitit's clean_env: SLURM_*,
+    SLURMD_*, SRUN_*, SBATCH_*, SUBMITIT_*, MASTER_ADDR, RANK, WORLD_SIZE...), which would confuse sbatch and srun
+    in the new job; SLURM_CONF (which Slurm to talk to) stays. Yields the names dropped; all come back after."""
+    before = set(os.environ)
+    conf = os.environ.get(KEEP_SLURM_CONF)
+    with submitit.helpers.clean_env():
+        if conf is not None:
+            os.environ[KEEP_SLURM_CONF] = conf
+        dropped = sorted(before - set(os.environ))
+        if dropped:
+            logger.info("submitting without inherited %s", ", ".join(dropped))
         yield dropped
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def preflight(cfg: RunConfig) -> None:
