@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -37,3 +38,83 @@ def test_launch_does_not_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+# The rooms each room may import (DESIGN §2); the core modules (errors, log, faults) and config sit below all.
+CORE = {"errors", "log", "faults", "config"}
+ALLOWED = {
+    "config": {"errors"},
+    "codec": set(),
+    "models": set(),
+    "data": set(),
+    "paradigms": set(),
+    "ckpt": set(),
+    "metrics": set(),
+    "rpc": set(),
+    "client": {"ckpt", "codec", "data", "metrics", "models", "paradigms", "rpc"},
+    "ps": {"ckpt", "codec", "metrics", "paradigms", "rpc"},
+    "launch": {"client", "metrics"},
+    "commands": {"data", "launch", "metrics", "ps", "rpc"},
+    "cli": {"commands", "geofed_hpc"},
+    "testing": {"metrics"},
+}
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every module of the package and the package modules it imports (at any depth of its body)."""
+    modules = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("geofed_hpc"):
+                base = str(node.module)
+                graph[name] |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+            elif isinstance(node, ast.Import):
+                graph[name] |= {a.name for a in node.names if a.name.startswith("geofed_hpc")}
+    return graph
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "geofed_hpc"
+
+
+def test_rooms_import_only_the_rooms_below_them() -> None:
+    wrong = sorted(
+        f"{a} imports {b}"
+        for a, targets in import_graph().items()
+        for b in targets
+        if _room(a) != _room(b) and _room(b) not in CORE | ALLOWED.get(_room(a), set())
+    )
+    assert wrong == []
+
+
+def test_production_code_never_imports_the_test_harness() -> None:
+    users = {a for a, targets in import_graph().items() for b in targets if _room(b) == "testing"}
+    assert {u for u in users if _room(u) != "testing"} == set()
+
+
+def test_the_parameter_server_sees_only_the_numpy_side_of_a_paradigm() -> None:
+    seen = {b for a, targets in import_graph().items() if _room(a) == "ps" for b in targets if _room(b) == "paradigms"}
+    assert seen <= {"geofed_hpc.paradigms", "geofed_hpc.paradigms.exchange"}
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    graph = import_graph()
+    cycles = []
+    for start in graph:  # depth-first from every module: is it reachable from what it imports?
+        stack, seen = list(graph[start]), set()
+        while stack:
+            node = stack.pop()
+            if node == start:
+                cycles.append(start)
+                break
+            if node not in seen and node in graph:
+                seen.add(node)
+                stack.extend(graph[node])
+    assert cycles == []

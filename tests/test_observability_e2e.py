@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from geofed_hpc import codec
-from geofed_hpc.client.telemetry import preemptions
+from geofed_hpc.client.events import preemptions
 from geofed_hpc.config import CodecConfig, RunConfig
 from geofed_hpc.errors import UnavailableError
 from geofed_hpc.metrics import METRIC_HELP, read_jsonl

@@ -13,7 +13,7 @@ import torch
 
 from geofed_hpc import codec
 from geofed_hpc.ckpt import CheckpointStore
-from geofed_hpc.client.joining import apply_updates
+from geofed_hpc.client.replica import apply_updates
 from geofed_hpc.config import (
     CodecConfig,
     DataConfig,
@@ -164,7 +164,7 @@ def test_a_restarted_hybrid_site_keeps_its_private_adapters(tmp_path: Path, shar
 
     other = run_config(tmp_path, shards, "lora")
     with pytest.raises(CheckpointError, match=r"paradigm='hybrid_lora\(rank=2.*this run has 'lora\(rank=2"):
-        SiteTrainer(other, 0, "127.0.0.1:1")._load()
+        SiteTrainer(other, 0, "127.0.0.1:1").ckpt.load()
 
 
 def test_join_refuses_a_site_with_another_paradigm(live_ps: Any) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from geofed_hpc import codec
-from geofed_hpc.client.joining import apply_updates
+from geofed_hpc.client.replica import apply_updates
 from geofed_hpc.config import CodecConfig
 from geofed_hpc.ps.servicer import ParameterServerLogic
 from geofed_hpc.rpc import messages as m

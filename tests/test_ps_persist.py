@@ -16,7 +16,7 @@ import pytest
 from geofed_hpc import codec
 from geofed_hpc.ckpt import CheckpointStore, save_tensors
 from geofed_hpc.ckpt.atomic import TEMP_MARKER
-from geofed_hpc.client.joining import apply_updates
+from geofed_hpc.client.replica import apply_updates
 from geofed_hpc.config import CodecConfig
 from geofed_hpc.errors import CheckpointError
 from geofed_hpc.rpc import messages as m

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from geofed_hpc import codec
-from geofed_hpc.client.joining import apply_updates
+from geofed_hpc.client.replica import apply_updates
 from geofed_hpc.config import CodecConfig, RunConfig
 from geofed_hpc.errors import GeofedError, StaleError, UnavailableError
 from geofed_hpc.ps.app import ParameterServer

@@ -180,7 +180,7 @@ def test_restarts_continue_the_data_and_take_the_fresher_model(tmp_path: Path, s
     cfg = RunConfig(**{**site_cfg_obj(tmp_path, shards).__dict__, "model": replace(MODEL, d_model=64)})
     trainer = SiteTrainer(cfg, 0, ps.address)
     with pytest.raises(CheckpointError, match="model.d_model=32, this run has 64"):
-        trainer._load()
+        trainer.ckpt.load()
 
 
 def site_cfg_obj(folder: Path, shards: Path) -> RunConfig:

@@ -27,7 +27,9 @@ class Stoppable(Protocol):
     """What the stop handler needs from a trainer (see SiteTrainer.request_stop)."""
 
     on_stop: Callable[[int], None]
-    stop_signal: int | None
+
+    @property
+    def stop_signal(self) -> int | None: ...
 
     def request_stop(self, signum: int) -> bool: ...
 

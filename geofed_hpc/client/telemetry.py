@@ -1,8 +1,7 @@
-"""A site's per-sync telemetry: transfer timings, link speed, RTT, memory, GPU and preemption counts."""
+"""A site's per-sync telemetry: transfer timings, link speed, RTT, memory and GPU."""
 
 from __future__ import annotations
 
-import json
 import math
 import resource
 import sys
@@ -36,28 +35,6 @@ def gpu_metrics() -> dict[str, float]:
     except Exception as exc:  # noqa: BLE001 - needs NVML (pynvml); memory alone is still worth logging
         logger.debug("GPU utilisation unavailable: %s", exc)
     return out
-
-
-def preemptions(events: Path, slurm_restarts: int) -> int:
-    """Earlier segments of this site that ended on a signal (a `stop` event in events.jsonl: preempted, timed
-    out, cancelled for requeue); Slurm's restart count when that is higher (a segment killed before it wrote)."""
-    stopped, in_segment_stop = 0, False
-    try:
-        lines = events.read_text().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
-        try:
-            event = json.loads(line).get("event")
-        except (json.JSONDecodeError, AttributeError):
-            continue
-        if event == "restored":
-            stopped += in_segment_stop
-            in_segment_stop = False
-        elif event == "stop":
-            in_segment_stop = True
-    stopped += in_segment_stop
-    return max(stopped, slurm_restarts)
 
 
 def mbps(nbytes: int, seconds: float) -> float:

@@ -1,0 +1,169 @@
+"""A site's checkpoints: what one holds (model, optimizer, RNG, sampler, residual, unpushed work), loading it back."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from geofed_hpc.ckpt import CheckpointStore
+from geofed_hpc.ckpt.best import BestCheckpoints
+from geofed_hpc.client.deferred import Deferred
+from geofed_hpc.client.evaluation import Evaluation
+from geofed_hpc.client.group import SiteGroup
+from geofed_hpc.client.link import PSLink
+from geofed_hpc.client.progress import Progress
+from geofed_hpc.client.replica import Replica
+from geofed_hpc.client.uplink import Uplink
+from geofed_hpc.config import RunConfig, to_dict
+from geofed_hpc.data import BatchSampler
+from geofed_hpc.data.squad import QASampler
+from geofed_hpc.errors import CheckpointError
+from geofed_hpc.log import logger
+from geofed_hpc.paradigms.exchange import Params
+from geofed_hpc.paradigms.site import SiteParadigm
+
+
+def model_shape(cfg: RunConfig) -> dict[str, Any]:
+    """The model config a checkpoint must match (its name and initial weights do not matter), and the paradigm
+    (which adds its adapters to the model)."""
+    shape = {k: v for k, v in to_dict(cfg.model).items() if k not in ("name", "init_from")}
+    return {**shape, "paradigm": cfg.paradigm.describe()}
+
+
+@dataclass
+class Restored:
+    """A checkpoint loaded back: its meta and its model tensors (the global model at meta["version"] when
+    meta["global_model"])."""
+
+    meta: dict[str, Any]
+    model: Params
+    path: Path
+
+    @property
+    def pending(self) -> dict[str, Any] | None:
+        return self.meta.get("pending") or None
+
+    @property
+    def version(self) -> int:
+        return int(self.meta["version"])
+
+
+@dataclass
+class SiteParts:
+    """The parts of a site whose state a checkpoint holds."""
+
+    group: SiteGroup
+    sampler: BatchSampler | QASampler
+    paradigm: SiteParadigm
+    replica: Replica
+    uplink: Uplink
+    link: PSLink
+    progress: Progress
+    evaluation: Evaluation
+
+
+class SiteCheckpoints:
+    """Writes and reads the site's checkpoints in `directory` (site-<syncs>.gft, the two latest kept; the
+    train.keep_best lowest validation losses in best/). Every part's state goes in through its public fields."""
+
+    def __init__(self, cfg: RunConfig, directory: Path, parts: SiteParts, job_id: str) -> None:
+        self.cfg, self.parts, self.job_id = cfg, parts, job_id
+        self.store = CheckpointStore(directory, prefix="site", keep=2)
+        self.best = BestCheckpoints(directory / "best", keep=cfg.train.keep_best)
+
+    @staticmethod
+    def exists(directory: Path) -> bool:
+        """Whether `directory` holds a site checkpoint (the job is a resume: weights come from disk)."""
+        return CheckpointStore(directory, prefix="site").latest_step() is not None
+
+    def save(self, pending: dict[str, Any] | None = None, pushed: bool = False) -> Path:
+        """Checkpoint; `pending`: unpushed work (kept with its base, and what of it is deferred), `pushed`: the
+        delta is in. Returns the file written."""
+        p = self.parts
+        tensors: dict[str, np.ndarray] = {f"model/{k}": v for k, v in p.group.model_arrays().items()}
+        tensors.update(p.group.optimizer_arrays())  # optim/<param>/<key>, gathered from every rank
+        tensors.update(p.group.rng_state())
+        if pending:  # the model is ahead of its base: resuming must be able to push local - base
+            tensors.update({f"base/{k}": v for k, v in p.replica.base.items()})
+            # the id its push will carry: a job killed after that push went in, before the next checkpoint,
+            # resends it from this checkpoint under the same id, and the PS does not apply it twice
+            pending = {**pending, "deferred": p.uplink.deferred.to_meta(), "push_id": p.uplink.pending_id()}
+            tensors.update(p.uplink.deferred.tensors())  # the bytes of the attempt the PS may hold, confirmed ones
+        tensors.update(p.uplink.feedback.state())  # residual/<param>: error feedback survives a requeue
+        tensors.update(p.paradigm.state())  # the unpushed part of a round the paradigm keeps (zo's coefficients)
+        syncs = p.progress.syncs_after_push if pushed else p.progress.syncs
+        meta = {
+            "version": p.replica.version,
+            "syncs": syncs,
+            "tokens_seen": p.progress.tokens_seen,
+            "sampler": p.sampler.state_dict(),
+            "session_id": p.link.session_id,
+            "settings": dataclasses.asdict(p.link.settings),  # to train on if the PS is down at restart
+            "pending": pending,
+            "job_id": self.job_id,
+            "global_model": not pending and not pushed and p.replica.exact,  # the PS's model at `version`
+            "base_global": p.replica.exact,
+            "val_loss": p.evaluation.val_loss,
+            "contribution_total": p.progress.contribution_total,
+            "scaler": p.group.stepper.scaler_state(),
+            "model": model_shape(self.cfg),
+        }
+        path = self.store.save(syncs, tensors, meta)
+        if meta["global_model"] and p.evaluation.version == p.replica.version:  # val_loss is this model's
+            self.best.offer(path, p.evaluation.val_loss, syncs)
+        return path
+
+    def load(self, fresh: Callable[[], Params] | None = None) -> Restored | None:
+        """Load the newest readable checkpoint into the parts. None: there is none (then `fresh()`, if given, is
+        loaded: the model was built uninitialised for a checkpoint that turned out unreadable)."""
+        loaded = self.store.load_latest()
+        if loaded is None:
+            if fresh is not None:
+                self.parts.group.load_model(fresh())
+            return None
+        tensors, meta, path = loaded
+        self._check_model(meta, path)
+        p = self.parts
+        model = {k[6:]: v for k, v in tensors.items() if k.startswith("model/")}
+        p.group.load_model(model)
+        p.group.load_optimizer({k: v for k, v in tensors.items() if k.startswith("optim/")})
+        p.group.set_rng_state(tensors)
+        p.group.set_scaler_state(meta.get("scaler") or {})
+        p.replica.base = {k[5:]: v for k, v in tensors.items() if k.startswith("base/")}
+        p.replica.exact = bool(meta.get("base_global", True))
+        p.uplink.feedback.load(tensors)
+        p.paradigm.load_state(tensors)
+        pending = meta.get("pending") or {}
+        held = pending.get("deferred")
+        p.uplink.deferred = Deferred.from_checkpoint(held, tensors)
+        # the id its push carries (an older checkpoint's deferred work kept the id of its first attempt)
+        p.uplink.work_id = str((held or {}).get("push_id") or pending.get("push_id") or "")
+        p.sampler.load_state_dict(meta["sampler"])
+        p.progress.syncs, p.progress.tokens_seen = int(meta["syncs"]), int(meta["tokens_seen"])
+        p.progress.contribution_total = int(meta.get("contribution_total", 0))
+        logger.info(
+            "%s: loaded local checkpoint %s (version %d, %d syncs%s)",
+            p.replica.name,
+            path,
+            meta["version"],
+            p.progress.syncs,
+            f", {pending['steps']:g} unpushed steps" if pending else "",
+        )
+        return Restored(meta, model, path)
+
+    def _check_model(self, meta: dict[str, Any], path: Path) -> None:
+        ours = model_shape(self.cfg)
+        theirs = {"paradigm": "identity", **meta.get("model", ours)}  # older checkpoints: pretraining
+        if theirs == ours:
+            return
+        diff = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+        key = diff[0] if diff[0] == "paradigm" else f"model.{diff[0]}"
+        raise CheckpointError(
+            f"checkpoint {path} is of another model ({key}={theirs.get(diff[0])!r}, this run has "
+            f"{ours.get(diff[0])!r}): use its config, or move {self.store.directory} away to start afresh"
+        )

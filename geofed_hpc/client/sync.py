@@ -1,0 +1,232 @@
+"""One sync with the parameter server: push the interval's work (rejoining or deferring as needed), then pull."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+
+from geofed_hpc.client.checkpoints import Restored
+from geofed_hpc.client.group import SiteGroup
+from geofed_hpc.client.link import PSLink
+from geofed_hpc.client.progress import Interval, Progress
+from geofed_hpc.client.replica import Replica
+from geofed_hpc.client.telemetry import RttMeter, SyncTimer, gpu_metrics, rss_gb
+from geofed_hpc.client.uplink import Uplink, Work
+from geofed_hpc.config import RunConfig
+from geofed_hpc.errors import AuthError, StaleError, UnavailableError
+from geofed_hpc.log import logger
+from geofed_hpc.metrics import Recorder
+from geofed_hpc.paradigms.exchange import Params
+from geofed_hpc.paradigms.site import SiteParadigm
+
+# The pull after a push waits for the version it makes: up to the round's timeout and this much more.
+EXTRA_PULL_WAIT = timedelta(seconds=30)
+
+
+class SafePoints(Protocol):
+    """What the site's loop does at the moves of a sync (the trainer: phases, checkpoints, stop requests)."""
+
+    def busy(self) -> None: ...
+
+    def pushed(self) -> None: ...
+
+    def checkpointed(self) -> None: ...
+
+    def save(self, pending: dict[str, Any] | None = None) -> object: ...
+
+
+@dataclass
+class Synced:
+    """What one sync did: bytes sent (encoded) and raw, seconds pushing, deferred intervals it carried."""
+
+    sent: int
+    raw: int
+    push_s: float
+    held: int
+    offline_s: float
+
+
+class SiteSync:
+    """The protocol steps of a sync, over the site's parts: the link (session), the replica (base and pulls) and
+    the uplink (pushes, deferred work). `timer` collects where the current sync's time went."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        link: PSLink,
+        replica: Replica,
+        uplink: Uplink,
+        group: SiteGroup,
+        paradigm: SiteParadigm,
+        safe: SafePoints,
+    ) -> None:
+        self.cfg, self.link, self.replica, self.uplink = cfg, link, replica, uplink
+        self.group, self.paradigm, self.safe = group, paradigm, safe
+        self.name = replica.name
+        self.timer = SyncTimer()
+        self.rtt = RttMeter()
+        self.rec: Recorder | None = None
+
+    @property
+    def version(self) -> int:
+        return self.replica.version
+
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.batch_size * self.cfg.model.context
+
+    def _local_update(self) -> Params:
+        return self.paradigm.wire_update(self.group.model_arrays(), self.replica.base)
+
+    def push(self, steps: int, loss: float) -> tuple[int, int]:
+        """Push the work since the base under the settings the PS imposes (a rejoin may have changed them)."""
+        work = Work(self.link.session_id, self.replica.version, steps, self.tokens_per_step(), loss)
+        return self.uplink.push(self.link.connected(), work, self._local_update, self.link.settings, self.timer)
+
+    def pull(self, min_version: int, wait: timedelta) -> None:
+        self.replica.pull(self.link.connected(), self.link.session_id, min_version, wait, self.timer)
+        self.uplink.new_base()  # work since this base is new work
+
+    def exchange(self, steps: int, loss: float) -> Synced | None:
+        """Push this interval's work and pull the version it makes. None: the PS stayed unreachable; the work is
+        deferred (checkpointed with its base) and the site trains on."""
+        deferred = self.uplink.deferred
+        held, offline_s = deferred.intervals, deferred.offline_seconds()
+        t1 = time.monotonic()
+        try:
+            sent, raw = self._push_or_rejoin(steps, loss)
+            self.safe.pushed()
+            push_s = time.monotonic() - t1
+            self._pull_after_push(self.cfg.ps.round_timeout + EXTRA_PULL_WAIT)
+        except StaleError as exc:
+            logger.warning("%s: %s; dropping this delta and pulling the latest model", self.name, exc)
+            deferred.clear()
+            sent, raw, push_s = 0, 0, time.monotonic() - t1
+            self.pull(0, timedelta(0))
+        except UnavailableError as exc:  # the push's retry budget is spent: train on, push later
+            self._defer(steps, loss, exc)
+            return None
+        if held:
+            logger.info("%s: pushed %d steps trained while the PS was unreachable", self.name, steps)
+            self.link.events("deferred_pushed", steps=steps, intervals=held, offline_s=round(offline_s, 1))
+        return Synced(sent, raw, push_s, held, offline_s)
+
+    def _push_or_rejoin(self, steps: int, loss: float) -> tuple[int, int]:
+        """A PS that answers but no longer knows our session (it restarted without its state) is joined again, and
+        re-seeded with our base when it holds no model; then the work goes out."""
+        try:
+            return self.push(steps, loss)
+        except AuthError as exc:
+            self.rejoin(exc)
+        return self.push(steps, loss)
+
+    def rejoin(self, why: Exception) -> None:
+        """Join again; re-seed a PS that holds no model with our base, so the federation goes on from our version."""
+        self.link.rejoin(why, self.replica.version)
+        if not self.link.session.initialized and self.link.seed(self.replica.seed_arrays(), self.replica.version):
+            self.replica.exact = True  # the PS's model is now our base, bit for bit
+
+    def _pull_after_push(self, wait: timedelta) -> None:
+        """Pull the version after our push. If the PS became unreachable since the push went in, train on from
+        the local model: it becomes the base at the version pushed to (the next pull is a full one)."""
+        try:
+            self.pull(self.replica.version + 1, wait)
+        except (UnavailableError, AuthError) as exc:
+            logger.warning("%s: %s; our delta is in, training on from the local model", self.name, exc)
+            self.link.events("pull_failed", version=self.uplink.push_version, error=str(exc)[:300])
+            self.replica.adopt_local(self.uplink.push_version)
+            self.uplink.new_base()
+            if isinstance(exc, AuthError):  # the PS restarted without its state since our push: join it again
+                self.rejoin(exc)  # (re-seeding it with this model if it holds none)
+                self.pull(0, timedelta(0))
+
+    def _defer(self, steps: int, loss: float, exc: UnavailableError) -> None:
+        """Keep this work and the bytes of the attempt that may have reached the PS, checkpoint both, train on."""
+        if self.uplink.defer(steps, loss * steps):
+            logger.warning(
+                "%s: %s; training on: the %d steps since version %d go out when the PS answers again",
+                self.name,
+                exc,
+                steps,
+                self.replica.version,
+            )
+        intervals = self.uplink.deferred.intervals
+        self.link.events("push_deferred", version=self.replica.version, steps=steps, intervals=intervals)
+        if self.rec is not None:
+            self.rec.log({"sync/deferred_intervals": intervals, "sync/version": self.replica.version})
+        self.safe.save({"steps": steps, "loss_sum": loss * steps, "elapsed_s": 0.0})
+        self.safe.checkpointed()
+
+    def telemetry(self, val_loss: float, sent: int, sync_s: float, progress: Progress) -> dict[str, float | int]:
+        """This sync's transfer, link, memory and contribution metrics; one Heartbeat measures the RTT and tells
+        the PS the validation loss of the global model we just evaluated (its ps/global_val_loss)."""
+        reported = val_loss if val_loss > 0 and self.replica.exact else 0.0  # only the global model's loss
+        rtt_s = self.link.report(self.replica.version, reported, "heartbeat after the sync")
+        return {
+            **self.timer.metrics(sent, sync_s),
+            **(self.rtt.add(rtt_s) if rtt_s is not None else {}),
+            "site/contribution_total": progress.contribution_total,
+            "sys/rss_gb": rss_gb(),
+            **gpu_metrics(),
+        }
+
+    def report_first(self, val_loss: float) -> None:
+        """The PS's ps/global_val_loss starts at the version the site first evaluated."""
+        if val_loss > 0:
+            self.link.report(self.replica.version, val_loss, "reporting the first evaluation")
+
+    def resume(self, restored: Restored | None, interval: Interval, progress: Progress) -> str:
+        """Continue an interrupted interval, or push its work and take the live model when that is fresher.
+        Returns where the model came from: fresh, local (the checkpoint) or global (the PS)."""
+        if restored is None:
+            self.pull(0, timedelta(0))
+            self.safe.checkpointed()
+            return "fresh"
+        pending = restored.pending
+        if pending and restored.version == self.link.session.version:
+            held = self.uplink.deferred  # deferred work goes out with the carried interval
+            self.replica.version = restored.version
+            steps, loss_sum = int(pending["steps"]) - held.steps, float(pending["loss_sum"]) - held.loss_sum
+            interval.carry = (steps, loss_sum, float(pending["elapsed_s"]))
+            return "local"
+        if pending:
+            self._push_pending(restored.version, pending, progress)
+        if not self._disk_is_current(restored):
+            self.pull(0, timedelta(0))
+        if pending:
+            self.safe.save()
+        self.safe.checkpointed()
+        return "local" if restored.version == self.replica.version else "global"
+
+    def _push_pending(self, version: int, pending: dict[str, Any], progress: Progress) -> None:
+        """The checkpoint's unpushed work is against an older version than the PS's: push it now."""
+        self.replica.version, steps = version, int(pending["steps"])
+        self.safe.busy()
+        try:
+            loss = float(pending["loss_sum"]) / steps
+            sent, _ = self.push(steps, loss)
+            self.safe.pushed()
+            progress.syncs += 1
+            if self.rec is not None:
+                self.rec.log(
+                    {
+                        "sync/index": progress.syncs,
+                        "sync/version": self.replica.version,
+                        "sync/local_steps": steps,
+                        "train/loss": loss,
+                        "sync/bytes_sent": sent,
+                    }
+                )
+        except StaleError as exc:
+            logger.warning("%s: %s; the %d steps before the requeue are dropped", self.name, exc, steps)
+            self.uplink.deferred.clear()
+
+    def _disk_is_current(self, restored: Restored) -> bool:
+        """A checkpoint holding the global model is our base at its version: skip the pull when the PS is still
+        there, else pull only what is newer (the PS's updates since that version, when it keeps them)."""
+        meta = restored.meta
+        if restored.pending or not meta.get("global_model") or not restored.model:
+            return False
+        self.replica.adopt_disk(restored.model, restored.version)
+        return self.replica.version == self.link.session.version
