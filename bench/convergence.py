@@ -95,7 +95,7 @@ def model_config(name: str) -> Any:
     if not path.is_file():
         choices = ", ".join(sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml")))
         raise SystemExit(f"--model: no conf/model/{name}.yaml; choose one of {choices}")
-    return from_dict(ModelConfig, yaml.safe_load(path.read_text()), "model.")
+    return from_dict(ModelConfig, yaml.safe_load(path.read_text()))
 
 
 def method_config(method: str, args: argparse.Namespace, steps: int, run_dir: Path, shards: Path) -> Any:

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
-import typing
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import OverrideType
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -77,45 +75,39 @@ def config_groups() -> dict[str, list[str]]:
     }
 
 
-def _fields(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+def _hydra_overrides(overrides: list[str]) -> list[str]:
+    """Check each group option (site=osc) against conf/; force plain key overrides (`++key=value`).
 
-
-def _check_overrides(overrides: list[str]) -> None:
-    """Name the bad group option or key in one line, before Hydra composes anything."""
+    Forced overrides reach the config sections even where the chosen option's YAML does not list the key, so
+    that a wrong key is named by the sections' own validation (with the valid keys), never by Hydra.
+    """
     groups = config_groups()
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as exc:
         raise ConfigError(f"cannot parse override: {str(exc).splitlines()[0]}") from None
-    for ov in parsed:
+    out = []
+    for text, ov in zip(overrides, parsed, strict=True):
         key = ov.key_or_group
         if key in groups and not ov.is_delete() and not ov.is_add():
             value = ov.value()
             if not isinstance(value, str) or value not in groups[key]:
                 raise ConfigError(f"unknown {key} option {value!r}; valid choices: {', '.join(groups[key])}")
-            continue
-        if ov.is_add():
-            continue  # a new key is checked against the dataclasses after composition
-        cls: Any = RunConfig
-        path: list[str] = []
-        for part in key.split("."):
-            fields = _fields(cls) if isinstance(cls, type) and dataclasses.is_dataclass(cls) else {}
-            if part not in fields:
-                where = ".".join(path) or "the top level"
-                raise ConfigError(f"unknown key {key}; valid keys in {where}: {', '.join(sorted(fields))}")
-            path.append(part)
-            cls = fields[part]
+            out.append(text)
+        elif ov.type == OverrideType.CHANGE and key.split(".")[0] != "hydra":
+            out.append(f"++{text}")
+        else:
+            out.append(text)
+    return out
 
 
 def compose_config(overrides: list[str]) -> tuple[RunConfig, str]:
     """Compose conf/ with Hydra's override grammar; return the typed config and its YAML."""
-    _check_overrides(overrides)
+    forced = _hydra_overrides(overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            raw = compose(config_name="config", overrides=overrides)
+            raw = compose(config_name="config", overrides=forced)
         plain = OmegaConf.to_container(raw, resolve=True)
     except (HydraException, OmegaConfBaseException) as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]

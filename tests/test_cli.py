@@ -54,6 +54,8 @@ def test_help_lists_commands_groups_and_options(tmp_path: Path) -> None:
         (["launch", "model=tinyy"], "unknown model option 'tinyy'; valid choices: gpt2_medium"),
         (["lunch"], "unknown command 'lunch'"),
         (["status", "ps.port=x"], "ps.port: expected an integer"),
+        (["status", "ps.aggregation=fast"], "ps.aggregation: must be one of sync, async, buffered; got 'fast'"),
+        (["launch", "ps.prot=1"], "unknown key ps.prot; valid keys in ps: address, aggregation,"),
         (["report", "/nonexistent/run"], "no metrics in /nonexistent/run/metrics"),
         (["wandb", "sync", "/nonexistent/run"], "no offline W&B runs under /nonexistent/run"),
     ],

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import pickle
+import typing
 from datetime import timedelta
 
 import pytest
 
-from geofed_hpc.cli import compose_config, config_groups
-from geofed_hpc.config import PSConfig, RunConfig, TrainConfig, from_dict, parse_duration, to_dict
+from geofed_hpc.cli import compose_config, config_groups, main
+from geofed_hpc.config import PSConfig, RunConfig, SiteConfig, TrainConfig, from_dict, parse_duration, to_dict
 from geofed_hpc.errors import ConfigError
 
 
@@ -87,3 +91,96 @@ def test_dataclasses_validate_directly() -> None:
         from_dict(RunConfig, {"ps": {"colour": "red"}})
     with pytest.raises(ConfigError, match="site.num_sites: expected an integer"):
         from_dict(RunConfig, {"site": {"num_sites": True}})
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["ps.aggregation=fast"], "ps.aggregation: must be one of sync, async, buffered; got 'fast'"),
+        (["paradigm.name=lorax"], "paradigm.name: must be one of identity, lora, hybrid_lora, ravan, zo; got 'lorax'"),
+        (["codec.adaptive_codecs=[int8,int3]"], "codec.adaptive_codecs: must be one of fp32, bf16, int16, int8, int4,"),
+        (["site.nodes=0"], "site.nodes: must be at least 1, got 0"),
+        (["site.num_sites=65"], "site.num_sites: must be in 1..64, got 65"),
+        (["ps.momentum=1.0"], "ps.momentum: must be in [0, 1), got 1"),
+        (["train.lr=0"], "train.lr: must be positive, got 0"),
+        (["ps.max_staleness=-1"], "ps.max_staleness: must be 0 or more, got -1"),
+        (["ps.heartbeat_interval=50ms"], "ps.heartbeat_interval: must be at least 0.1s, got 50ms"),
+        (["ps.prot=1"], "unknown key ps.prot; valid keys in ps: address, aggregation, buffer_size, ca_file,"),
+        (["site.num_sites=true"], "site.num_sites: expected an integer, got True"),
+        (["ps.global_lr=fast"], "ps.global_lr: expected a number, got 'fast'"),
+        (["ps.insecure=maybe"], "ps.insecure: expected true or false, got 'maybe'"),
+        (["site.setup=[[a]]"], "site.setup: expected a string, got ['a']"),
+        (["codec.adaptive_codecs=[]"], "codec.adaptive_codecs: must have at least 1 item, got []"),
+        (["federation=a@b"], "federation: use letters, digits, _ . -; got 'a@b'"),
+    ],
+)
+def test_validation_errors_name_the_key_and_what_it_takes(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        compose_config(overrides)
+    text = str(info.value)
+    assert text.startswith(message) and "\n" not in text
+
+
+def test_values_are_typed_as_before() -> None:
+    cfg, _ = compose_config(["ps.global_lr=2", "site.account=1234", "train.sync_interval=90", "site.mem_gb=16"])
+    assert cfg.ps.global_lr == 2.0 and isinstance(cfg.ps.global_lr, float)  # an integer is a number
+    assert cfg.site.account == "1234" and cfg.site.mem_gb == 16.0  # a number given for text is its text
+    assert cfg.train.sync_interval == timedelta(seconds=90)  # a bare number is seconds
+    with pytest.raises(ConfigError, match="ps.port: expected an integer, got 50051.0"):
+        compose_config(["ps.port=50051.0"])
+
+
+def test_a_key_the_chosen_option_does_not_list_can_still_be_set() -> None:
+    cfg, _ = compose_config(["site=local", "site.qos=debug", "site.sbatch_extra.reservation=ml"])
+    assert cfg.site.qos == "debug" and cfg.site.sbatch_extra == {"reservation": "ml"}
+
+
+def test_sections_built_directly_raise_the_same_errors() -> None:
+    with pytest.raises(ConfigError, match="^ps.aggregation: must be one of sync, async, buffered; got 'x'$"):
+        PSConfig(aggregation="x")
+    with pytest.raises(ConfigError, match="^unknown key train.speed; valid keys in train: batch_size, eval_every"):
+        TrainConfig(speed=2)  # type: ignore[call-arg]
+    with pytest.raises(ConfigError, match="^site.setup: expected a string, got None$"):
+        from_dict(SiteConfig, {"setup": ["module load cuda", None]})
+
+
+LIST_FIELDS = [
+    ("site.setup", "module load cuda"),
+    ("ps.tls_names", "vm.example.org"),
+    ("ps.tls_sites", "osc"),
+    ("codec.adaptive_codecs", "int8"),
+    ("paradigm.targets", "attn.qkv"),
+]
+
+
+@pytest.mark.parametrize("key, value", LIST_FIELDS)
+def test_a_single_value_for_a_list_field_is_a_one_element_list(key: str, value: str) -> None:
+    cfg, _ = compose_config([f"{key}={value}"])
+    section, name = key.split(".")
+    assert getattr(getattr(cfg, section), name) == [value]
+
+
+def test_every_list_field_takes_a_single_value() -> None:
+    listed = set()
+    for section in dataclasses.fields(RunConfig):
+        cls = RunConfig.__pydantic_fields__[section.name].annotation
+        if dataclasses.is_dataclass(cls):
+            fields = cls.__pydantic_fields__  # type: ignore[union-attr]
+            listed |= {f"{section.name}.{n}" for n, f in fields.items() if typing.get_origin(f.annotation) is list}
+    assert listed == {key for key, _ in LIST_FIELDS}
+
+
+def test_plain_dict_is_json_and_rebuilds_an_equal_config() -> None:
+    cfg, _ = compose_config(["ps.token_ttl=30d", "train.eval_interval=250ms", "site.setup=[a, b]"])
+    plain = to_dict(cfg)
+    assert plain["ps"]["token_ttl"] == "2592000s" and plain["train"]["eval_interval"] == "0.25s"
+    assert from_dict(RunConfig, json.loads(json.dumps(plain))) == cfg
+    assert from_dict(RunConfig, pickle.loads(pickle.dumps(plain))) == cfg  # what a site job carries
+
+
+def test_command_line_error_is_one_line(capsys: pytest.CaptureFixture) -> None:
+    assert main(["launch", "ps.prot=1", "--cfg"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("geofed-hpc: error: unknown key ps.prot; valid keys in ps: address,") and err.count("\n") == 1
+    assert main(["launch", "site.gpus_per_node=-1", "--cfg"]) == 2
+    assert capsys.readouterr().err == "geofed-hpc: error: site.gpus_per_node: must be 0 or more, got -1\n"

@@ -183,6 +183,16 @@ def test_dry_run_prints_one_batch_file_per_site_and_submits_nothing(tmp_path: Pa
     assert local.returncode == 0 and "no sbatch file" in local.stdout
 
 
+def test_one_setup_line_given_as_a_string_is_one_line_of_the_batch_file(tmp_path: Path) -> None:
+    result = cli(
+        ["launch", "site=osc", "ps.address=vm.example.org:50051", "site.setup=module load cuda", "--dry-run"],
+        tmp_path,
+        **LOGIN_ENV,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("# setup\n", 1)[1].split("\n\n", 1)[0].splitlines() == ["module load cuda"]
+
+
 def test_manifest_keeps_every_job_and_the_newest_per_site(tmp_path: Path) -> None:
     def job(site: str, job_id: str) -> manifest.JobRecord:
         return manifest.JobRecord(site, job_id, site.rsplit("-", 1)[0], "slurm", f"/l/{job_id}.out", f"/l/{job_id}.err")

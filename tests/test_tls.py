@@ -107,6 +107,14 @@ def test_ps_init_refuses_to_overwrite_keys_unless_asked(tmp_path: Path, capsys: 
     assert not (tmp_path / "ca.key").exists()  # nothing written when refusing
 
 
+def test_ps_init_takes_a_single_name_without_brackets_as_one_name(tmp_path: Path) -> None:
+    assert ps_init(tmp_path, "ps.tls_names=vm.example.org", "ps.tls_sites=osc") == 0
+    sans = load(tmp_path / "server.crt").extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    names = sans.get_values_for_type(x509.DNSName)
+    assert "vm.example.org" in names and all(len(name) > 1 for name in names), names
+    assert sorted(p.name for p in (tmp_path / "sites").glob("*.crt")) == ["osc.crt"]
+
+
 def test_a_site_with_the_federation_ca_joins_over_tls(pki: dict[str, Path]) -> None:
     with tls_ps(pki["ours"]) as ps, PSClient(tls_client(pki["ours"] / "ca.crt"), ps.address) as client:
         client.connect(timedelta(seconds=5))

@@ -1,12 +1,12 @@
-"""Reading config values: durations, checks whose errors name the field, dataclasses from plain mappings and back."""
+"""Field types the config sections share: durations, one-or-many lists, patterned strings, cross-field checks."""
 
 from __future__ import annotations
 
-import dataclasses
 import re
-import typing
 from datetime import timedelta
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BeforeValidator, PlainSerializer
 
 from geofed_hpc.errors import ConfigError
 
@@ -14,82 +14,85 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
-def parse_duration(value: Any, name: str) -> timedelta:
-    """Read `30`, `30s`, `5m`, `2h`, `250ms` or a timedelta; the error names the field."""
+def to_timedelta(value: Any) -> timedelta:
+    """Read `30`, `30s`, `5m`, `2h`, `250ms` or a timedelta; ValueError says what was expected."""
     if isinstance(value, timedelta):
-        return value
-    if isinstance(value, bool):
-        raise ConfigError(f"{name}: expected a duration like 30s, 5m or 2h, got {value!r}")
-    if isinstance(value, (int, float)):
+        seconds = value.total_seconds()
+    elif isinstance(value, bool):
+        raise ValueError(f"expected a duration like 30s, 5m or 2h, got {value!r}")
+    elif isinstance(value, (int, float)):
         seconds = float(value)
     else:
         match = _DURATION.match(str(value))
         if not match:
-            raise ConfigError(f"{name}: expected a duration like 30s, 5m or 2h, got {value!r}")
+            raise ValueError(f"expected a duration like 30s, 5m or 2h, got {value!r}")
         seconds = float(match.group(1)) * _UNIT_SECONDS[match.group(2) or "s"]
     if seconds < 0:
-        raise ConfigError(f"{name}: a duration cannot be negative, got {value!r}")
-    return timedelta(seconds=seconds)
+        raise ValueError(f"a duration cannot be negative, got {value!r}")
+    return value if isinstance(value, timedelta) else timedelta(seconds=seconds)
 
 
-def check(cond: bool, name: str, message: str) -> None:
-    if not cond:
-        raise ConfigError(f"{name}: {message}")
+def parse_duration(value: Any, name: str) -> timedelta:
+    """`to_timedelta` for a value outside the config sections (a flag); the error names it."""
+    try:
+        return to_timedelta(value)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
 
 
-def one_of(value: str, choices: tuple[str, ...], name: str) -> None:
-    check(value in choices, name, f"must be one of {', '.join(choices)}; got {value!r}")
+def format_duration(value: timedelta) -> str:
+    """Seconds as a plain string that `to_timedelta` reads back: `90s`, `0.25s` (never `2.592e+06s`)."""
+    return f"{value.total_seconds():f}".rstrip("0").rstrip(".") + "s"
 
 
-def from_dict(cls: type, raw: Any, prefix: str = "") -> Any:
-    """Build dataclass `cls` from a plain mapping; unknown keys and wrong types raise ConfigError."""
-    where = prefix.rstrip(".") or "config"
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise ConfigError(f"unknown key {prefix}{unknown[0]}; valid keys in {where}: {', '.join(sorted(fields))}")
-    kwargs = {}
-    for name, value in raw.items():
-        kwargs[name] = _coerce(hints[name], value, prefix + name)
-    return cls(**kwargs)
+# A timedelta written 30s / 5m / 2h / 250ms (a number is seconds); dumped to JSON as seconds, e.g. "90s".
+Duration = Annotated[
+    timedelta, BeforeValidator(to_timedelta), PlainSerializer(format_duration, return_type=str, when_used="json")
+]
 
 
-def _coerce(hint: Any, value: Any, name: str) -> Any:
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return from_dict(hint, value, name + ".")
-    if hint is timedelta:
-        return parse_duration(value, name)
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{name}: expected true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{name}: expected an integer, got {value!r}")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{name}: expected a number, got {value!r}")
-    if hint is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{name}: expected a string, got {value!r}")
+def _one_as_list(value: Any) -> Any:
+    if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return [value]
     return value
 
 
-def to_dict(obj: Any) -> dict[str, Any]:
-    """Plain, YAML/JSON-friendly dict of a config dataclass (durations as seconds strings)."""
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            out[f.name] = to_dict(value)
-        elif isinstance(value, timedelta):
-            out[f.name] = f"{value.total_seconds():f}".rstrip("0").rstrip(".") + "s"  # never 2.592e+06s
-        else:
-            out[f.name] = value
-    return out
+# On a list field: a single value is a one-element list (site.setup="module load cuda" is one line).
+OneOrMany = BeforeValidator(_one_as_list)
+
+
+def pattern(regex: str, message: str) -> AfterValidator:
+    """A string check whose error reads `message` (with `{value!r}` filled in) instead of the regex."""
+    compiled = re.compile(regex)
+
+    def matches(value: str) -> str:
+        if not compiled.fullmatch(value):
+            raise ValueError(message.format(value=value))
+        return value
+
+    return AfterValidator(matches)
+
+
+def choice(options: tuple[str, ...]) -> AfterValidator:
+    """A string that must be one of `options`: a Literal for values that cross module and wire boundaries as
+    plain strings (codec names), so that callers need not narrow their `str` first."""
+
+    def chosen(value: str) -> str:
+        if value not in options:
+            listed = ", ".join(o or '""' for o in options)
+            raise ValueError(f"must be one of {listed}; got {value!r}")
+        return value
+
+    return AfterValidator(chosen)
+
+
+# A federation, site or sbatch file name: safe in paths, job names and W&B groups.
+Name = Annotated[str, pattern(r"[A-Za-z0-9_.-]+", "use letters, digits, _ . -; got {value!r}")]
+# host:port, or empty.
+HostPort = Annotated[str, pattern(r"(?:[^\s:]+:\d{1,5})?", "expected host:port, got {value!r}")]
+
+
+def check(cond: bool, name: str, message: str) -> None:
+    """A check that spans fields (in a section's __post_init__): ConfigError naming `name` when `cond` fails."""
+    if not cond:
+        raise ConfigError(f"{name}: {message}")

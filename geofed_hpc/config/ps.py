@@ -2,107 +2,130 @@
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+from dataclasses import field
 from datetime import timedelta
+from typing import Annotated, Literal
+
+from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
 from geofed_hpc.config.codec import WIRE_CODECS
-from geofed_hpc.config.fields import check, one_of, parse_duration
+from geofed_hpc.config.fields import Duration, HostPort, Name, OneOrMany, check, choice, pattern
+from geofed_hpc.config.section import section
+
+Port = Annotated[StrictInt, Field(ge=0, le=65535)]
+AtLeastOne = Annotated[StrictInt, Field(ge=1)]
+_DNS_NAME = pattern(r"[A-Za-z0-9*.:-]+", "expected DNS names or IP addresses, got {value!r}")
 
 
-@dataclass
+@section("ps")
 class PSConfig:
     """The parameter server: where it listens, where clients dial, and how it aggregates."""
 
     host: str = "127.0.0.1"
-    port: int = 0
-    address: str = ""
-    insecure: bool = True
+    """The address the PS listens on."""
+    port: Port = 0
+    """The port it listens on (0: a free one, picked at start)."""
+    address: HostPort = ""
+    """host:port where sites dial ("": host:port above)."""
+    insecure: StrictBool = True
+    """Plaintext gRPC (local demos only); false: TLS with the files below."""
     cert_file: str = ""
+    """PS: its TLS certificate."""
     key_file: str = ""
+    """PS: its TLS private key."""
     ca_file: str = ""
+    """Sites: the CA that signed the PS's certificate."""
     client_ca_file: str = ""
+    """Mutual TLS, PS: accept only sites whose certificate this CA signed ("": server-only TLS)."""
     client_cert_file: str = ""
+    """Mutual TLS, site: the certificate it presents (from `ps init ps.tls_sites=[osc]`)."""
     client_key_file: str = ""
-    tls_names: list[str] = field(default_factory=list)
-    tls_sites: list[str] = field(default_factory=list)
-    tls_overwrite: bool = False
+    """Mutual TLS, site: that certificate's private key."""
+    tls_names: Annotated[list[Annotated[str, _DNS_NAME]], OneOrMany] = field(default_factory=list)
+    """`ps init`: extra DNS names / IP addresses of the PS in its certificate."""
+    tls_sites: Annotated[list[Name], OneOrMany] = field(default_factory=list)
+    """`ps init`: the sites to issue client certificates for (mutual TLS)."""
+    tls_overwrite: StrictBool = False
+    """`ps init`: existing server and site keys may be replaced (the CA never is)."""
     enroll_token: str = ""
-    token_ttl: timedelta = timedelta(days=30)
-    max_sessions_per_site: int = 8
-    max_sessions: int = 4096
-    aggregation: str = "sync"
-    outer_optimizer: str = "plain"
-    global_lr: float = 1.0
-    momentum: float = 0.9
-    weighting: str = "uniform"
-    robust: str = "none"
-    trim_fraction: float = 0.1
-    clip_norm: float = 0.0
-    buffer_size: int = 4
-    round_timeout: timedelta = timedelta(minutes=2)
-    max_staleness: int = 4
+    """A token every site must present on Join ("": any site, unless per-site tokens were issued)."""
+    token_ttl: Duration = timedelta(days=30)
+    """How long a token from `token issue` admits new enrollments (0: forever)."""
+    max_sessions_per_site: AtLeastOne = 8
+    """Sessions per site name; at the limit the least recently seen inactive one makes room."""
+    max_sessions: AtLeastOne = 4096
+    """Sessions in all (at least max_sessions_per_site)."""
+    aggregation: Literal["sync", "async", "buffered"] = "sync"
+    """sync: rounds of every active site; async: each delta on arrival; buffered: after buffer_size deltas."""
+    outer_optimizer: Literal["plain", "nesterov", "fednova"] = "plain"
+    """plain: Theta + global_lr x D; nesterov: DiLoCo's outer momentum; fednova: D over local steps."""
+    global_lr: Annotated[StrictFloat, Field(gt=0)] = 1.0
+    """The global (outer) learning rate."""
+    momentum: Annotated[StrictFloat, Field(ge=0, lt=1)] = 0.9
+    """The outer momentum of nesterov."""
+    weighting: Literal["uniform", "tokens"] = "uniform"
+    """uniform: every delta counts the same; tokens: by the tokens it was trained on."""
+    robust: Literal["none", "trimmed_mean", "median"] = "none"
+    """A robust rule for untrusted federations (unweighted, several deltas per update)."""
+    trim_fraction: Annotated[StrictFloat, Field(ge=0, lt=0.5)] = 0.1
+    """trimmed_mean: the share of values dropped at each end, per coordinate."""
+    clip_norm: Annotated[StrictFloat, Field(ge=0)] = 0.0
+    """Scale each delta to at most this L2 norm (0: off)."""
+    buffer_size: AtLeastOne = 4
+    """buffered: deltas per update."""
+    round_timeout: Duration = timedelta(minutes=2)
+    """sync: a round closes at the latest this long after it opened; buffered: after its first delta."""
+    max_staleness: Annotated[StrictInt, Field(ge=0)] = 4
+    """Deltas older than this many versions are refused and the site pulls again."""
     state_dir: str = ""
+    """Global model snapshots ("": in memory only; `launch` uses <run_dir>/ps)."""
     staging_dir: str = ""
-    snapshot_every: int = 1
-    downlink_codec: str = ""
-    downlink_history: int = 16
-    max_concurrent_pushes: int = 4
-    max_concurrent_downloads: int = 4
-    decode_threads: int = 2
-    stream_window_bytes: int = 1 << 20
-    max_workers: int = 128
-    shutdown_grace: timedelta = timedelta(seconds=60)
+    """Where pushes land while their checksum is verified ("": <state_dir>/staging, or a temp dir)."""
+    snapshot_every: AtLeastOne = 1
+    """Snapshot every this many versions (and on SIGTERM)."""
+    downlink_codec: Annotated[str, choice(("", *WIRE_CODECS))] = ""
+    """Codec of the global updates sent to sites that hold a recent version ("": the run's codec)."""
+    downlink_history: Annotated[StrictInt, Field(ge=0)] = 16
+    """Updates kept for those sites (0: always full models)."""
+    max_concurrent_pushes: AtLeastOne = 4
+    """Pushes read off the network at once (the others wait, held back by gRPC flow control)."""
+    max_concurrent_downloads: AtLeastOne = 4
+    """Model or update downloads sent at once."""
+    decode_threads: AtLeastOne = 2
+    """Threads that decode verified pushes (about a model each)."""
+    stream_window_bytes: Annotated[StrictInt, Field(ge=0)] = 1 << 20
+    """Receive window of each stream, at least 65536 (0: gRPC sizes windows by bandwidth x delay)."""
+    max_workers: Annotated[StrictInt, Field(ge=4)] = 128
+    """gRPC handler threads: each site may hold two (a push and a long-poll)."""
+    shutdown_grace: Duration = timedelta(seconds=60)
+    """On SIGTERM: how long pushes in flight may take to finish before the final snapshot."""
     init_from: str = ""
-    chunk_bytes: int = 1 << 20
-    max_message_bytes: int = 64 << 20
-    max_delta_bytes: int = 8 << 30
-    connect_timeout: timedelta = timedelta(seconds=30)
-    rpc_timeout: timedelta = timedelta(minutes=10)
-    retry_budget: timedelta = timedelta(minutes=2)
-    heartbeat_interval: timedelta = timedelta(seconds=10)
-    metrics_port: int = 0
+    """Seed the global model from this file (a site checkpoint or PS snapshot) unless state_dir holds one."""
+    chunk_bytes: StrictInt = 1 << 20
+    """Bytes per streamed chunk: 4096 to half of max_message_bytes."""
+    max_message_bytes: StrictInt = 64 << 20
+    """The largest gRPC message."""
+    max_delta_bytes: StrictInt = 8 << 30
+    """The largest encoded delta or model one transfer may carry."""
+    connect_timeout: Duration = timedelta(seconds=30)
+    """How long a site waits for the PS to answer at connect."""
+    rpc_timeout: Duration = timedelta(minutes=10)
+    """The deadline of one call."""
+    retry_budget: Duration = timedelta(minutes=2)
+    """A failed push or pull is retried for this long, then the site trains on and pushes later."""
+    heartbeat_interval: Annotated[Duration, Field(ge=timedelta(milliseconds=100))] = timedelta(seconds=10)
+    """A site heartbeats this often while it trains."""
+    metrics_port: Port = 0
+    """Prometheus /metrics of the PS on this port (0: no endpoint)."""
     metrics_host: str = ""
+    """The host of /metrics ("": host above)."""
 
     def __post_init__(self) -> None:
-        self.round_timeout = parse_duration(self.round_timeout, "ps.round_timeout")
-        self.connect_timeout = parse_duration(self.connect_timeout, "ps.connect_timeout")
-        self.rpc_timeout = parse_duration(self.rpc_timeout, "ps.rpc_timeout")
-        self.shutdown_grace = parse_duration(self.shutdown_grace, "ps.shutdown_grace")
-        self.retry_budget = parse_duration(self.retry_budget, "ps.retry_budget")
-        self.heartbeat_interval = parse_duration(self.heartbeat_interval, "ps.heartbeat_interval")
-        check(
-            self.heartbeat_interval >= timedelta(milliseconds=100),
-            "ps.heartbeat_interval",
-            f"must be at least 100ms (a site heartbeats this often while it trains), got {self.heartbeat_interval}",
-        )
-        self.token_ttl = parse_duration(self.token_ttl, "ps.token_ttl")
-        check(0 <= self.port <= 65535, "ps.port", f"must be in 0..65535, got {self.port}")
-        check(
-            0 <= self.metrics_port <= 65535,
-            "ps.metrics_port",
-            f"must be 0 (no Prometheus endpoint) or a port in 1..65535, got {self.metrics_port}",
-        )
-        one_of(self.aggregation, ("sync", "async", "buffered"), "ps.aggregation")
-        one_of(self.outer_optimizer, ("plain", "nesterov", "fednova"), "ps.outer_optimizer")
-        one_of(self.weighting, ("uniform", "tokens"), "ps.weighting")
-        one_of(self.robust, ("none", "trimmed_mean", "median"), "ps.robust")
-        one_of(self.downlink_codec, ("", *WIRE_CODECS), "ps.downlink_codec")
-        check(self.global_lr > 0, "ps.global_lr", f"must be positive, got {self.global_lr}")
-        check(0.0 <= self.momentum < 1.0, "ps.momentum", f"must be in [0, 1), got {self.momentum}")
-        check(0.0 <= self.trim_fraction < 0.5, "ps.trim_fraction", f"must be in [0, 0.5), got {self.trim_fraction}")
-        check(self.clip_norm >= 0, "ps.clip_norm", f"must be 0 (off) or positive, got {self.clip_norm}")
-        check(self.max_staleness >= 0, "ps.max_staleness", "must be 0 or more")
-        limits = ("max_concurrent_pushes", "max_concurrent_downloads", "decode_threads", "max_sessions_per_site")
-        for key in ("buffer_size", "snapshot_every", *limits):
-            check(getattr(self, key) >= 1, f"ps.{key}", f"must be at least 1, got {getattr(self, key)}")
-        check(self.downlink_history >= 0, "ps.downlink_history", "must be 0 (always full models) or more")
         check(
             self.max_sessions >= self.max_sessions_per_site,
             "ps.max_sessions",
             f"must be at least ps.max_sessions_per_site ({self.max_sessions_per_site}), got {self.max_sessions}",
         )
-        check(self.max_workers >= 4, "ps.max_workers", f"must be at least 4, got {self.max_workers}")
         check(
             self.stream_window_bytes == 0 or self.stream_window_bytes >= 1 << 16,
             "ps.stream_window_bytes",
@@ -124,12 +147,6 @@ class PSConfig:
             "ps.chunk_bytes",
             f"must be in 4096..{self.max_message_bytes // 2} (half of ps.max_message_bytes)",
         )
-        if self.address:
-            check(
-                bool(re.fullmatch(r"[^\s:]+:\d{1,5}", self.address)),
-                "ps.address",
-                f"expected host:port, got {self.address!r}",
-            )
         if not self.insecure:
             check(
                 bool(self.ca_file or self.cert_file),
@@ -137,10 +154,6 @@ class PSConfig:
                 "TLS is on: set ps.ca_file (clients) and ps.cert_file/ps.key_file (server), "
                 "or ps.insecure=true for a local plaintext demo",
             )
-        self._check_tls()
-
-    def _check_tls(self) -> None:
-        """Mutual TLS and `ps init` fields (rpc/tls.py, rpc/channel.py)."""
         check(
             bool(self.client_cert_file) == bool(self.client_key_file),
             "ps.client_cert_file",
@@ -149,16 +162,6 @@ class PSConfig:
         if self.insecure:
             for key in ("client_ca_file", "client_cert_file"):
                 check(not getattr(self, key), f"ps.{key}", "mutual TLS needs TLS: set ps.insecure=false")
-        self.tls_names = [str(n) for n in self.tls_names]
-        for name in self.tls_names:
-            check(
-                bool(re.fullmatch(r"[A-Za-z0-9*.:-]+", name)),
-                "ps.tls_names",
-                f"expected DNS names or IP addresses, got {name!r}",
-            )
-        self.tls_sites = [str(n) for n in self.tls_sites]
-        for name in self.tls_sites:
-            check(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", name)), "ps.tls_sites", f"bad site name {name!r}")
 
     def dial_address(self) -> str:
         """The host:port clients dial (ps.address, else host:port)."""

@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Literal
+
+from pydantic import StrictInt
 
 from geofed_hpc.config.codec import CodecConfig
-from geofed_hpc.config.fields import check, one_of
+from geofed_hpc.config.fields import Name, check
+from geofed_hpc.config.model import ModelConfig
 from geofed_hpc.config.ps import PSConfig
+from geofed_hpc.config.section import section
 from geofed_hpc.config.site import SiteConfig
-from geofed_hpc.config.train import DataConfig, ModelConfig, ParadigmConfig, TrainConfig
+from geofed_hpc.config.train import DataConfig, ParadigmConfig, TrainConfig
 
 
-@dataclass
+@section("")
 class RunConfig:
     """Everything one `geofed-hpc` command needs."""
 
-    federation: str = "geofed"
+    federation: Name = "geofed"
+    """One name per federation: the W&B group and the default run directory."""
     run_dir: str = "runs/geofed"
-    wandb_mode: str = "offline"
-    verbosity: int = 0
+    """Fixed (never timestamped) so that a requeued job finds its checkpoints again."""
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """Compute nodes have no internet: offline, then `wandb sync` later."""
+    verbosity: StrictInt = 0
+    """-1 quiet, 0 normal, 1 debug (also --quiet / --verbose)."""
     site: SiteConfig = field(default_factory=SiteConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     ps: PSConfig = field(default_factory=PSConfig)
@@ -29,7 +37,6 @@ class RunConfig:
     paradigm: ParadigmConfig = field(default_factory=ParadigmConfig)
 
     def __post_init__(self) -> None:
-        one_of(self.wandb_mode, ("offline", "online", "disabled"), "wandb_mode")
         if self.paradigm.name == "zo":
             check(
                 self.train.max_local_steps >= 1,
@@ -46,4 +53,3 @@ class RunConfig:
                 "train.warmup_steps",
                 "paradigm=zo takes its own steps of paradigm.zo_lr, without AdamW: set train.warmup_steps=0",
             )
-        check(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", self.federation)), "federation", "use letters, digits, _ . -")

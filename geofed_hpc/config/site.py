@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+from dataclasses import field
 from datetime import timedelta
+from typing import Annotated, Literal
 
-from geofed_hpc.config.fields import check, one_of, parse_duration
+from pydantic import Field, StrictBool, StrictFloat, StrictInt
+
+from geofed_hpc.config.fields import Duration, Name, OneOrMany, check, pattern
+from geofed_hpc.config.section import section
 
 # GPU type names as clusters spell them in --gres=gpu:TYPE:N / --gpus-per-node=TYPE:N.
 GPU_TYPES = (
@@ -15,41 +18,71 @@ GPU_TYPES = (
     "rtx_a6000", "t4", "v100", "v100s", "v100_32gb",
 )  # fmt: skip
 
+_SBATCH_OPTION = pattern(r"[a-z][a-z0-9_-]*", "expected sbatch option names without the leading --, got {value!r}")
+_PROXY = pattern(r"(?:https?://[^\s/]+(:\d+)?/?)?", "expected http://host:port, got {value!r}")
 
-@dataclass
+
+@section("site")
 class SiteConfig:
     """Where site jobs run: `local` processes through submitit, or a Slurm cluster (the fields below `token`)."""
 
-    name: str = "local"
-    executor: str = "local"
-    num_sites: int = 2
-    # Data shards: this config's sites train shards first_shard.. of shard_count (0: first_shard + num_sites),
-    # so several site configs of one federation never train on the same data.
-    first_shard: int = 0
-    shard_count: int = 0
-    embedded_ps: bool = True
-    cpus_per_site: int = 1
-    timeout: timedelta = timedelta(hours=1)
+    name: Name = "local"
+    """This site's name: job names, checkpoint folders and the PS's view of it."""
+    executor: Literal["local", "slurm"] = "local"
+    """`local`: processes on this machine; `slurm`: one sbatch job per site."""
+    num_sites: Annotated[StrictInt, Field(ge=1, le=64)] = 2
+    """How many site jobs this config starts."""
+    first_shard: Annotated[StrictInt, Field(ge=0)] = 0
+    """This config's sites train data shards first_shard.. of `shards`, so that several site configs of one
+    federation never train on the same data."""
+    shard_count: Annotated[StrictInt, Field(ge=0)] = 0
+    """How many shards the data is split into (0: first_shard + num_sites)."""
+    embedded_ps: StrictBool = True
+    """Run the parameter server inside `launch` (local demos); a Slurm site dials ps.address instead."""
+    cpus_per_site: Annotated[StrictInt, Field(ge=1)] = 1
+    """CPU cores per site task."""
+    timeout: Duration = timedelta(hours=1)
+    """The job's time limit (Slurm: whole minutes)."""
     token: str = ""
+    """The site's enrollment token (`token issue` on the PS), if the PS requires one."""
     partition: str = ""
+    """Slurm partition (`sinfo -s` lists them)."""
     account: str = ""
+    """Slurm --account (allocation / project), if the cluster charges one."""
     qos: str = ""
+    """Slurm quality of service."""
     constraint: str = ""
-    nodes: int = 1
-    tasks_per_node: int = 1
-    gpus_per_node: int = 0
+    """Slurm node features (--constraint)."""
+    nodes: Annotated[StrictInt, Field(ge=1)] = 1
+    """Nodes per site job."""
+    tasks_per_node: Annotated[StrictInt, Field(ge=1)] = 1
+    """Training processes per node (usually one per GPU)."""
+    gpus_per_node: Annotated[StrictInt, Field(ge=0)] = 0
+    """GPUs per node (0: CPU only)."""
     gpu_type: str = ""
-    gpu_style: str = "gres"
-    mem_gb: float = 0.0
-    setup: list[str] = field(default_factory=list)
+    """GPU type in the cluster's spelling, one of GPU_TYPES ("": any)."""
+    gpu_style: Literal["gres", "gpus", "none"] = "gres"
+    """How GPUs are asked for: --gres=gpu:TYPE:N, --gpus-per-node=TYPE:N, or not at all."""
+    mem_gb: Annotated[StrictFloat, Field(ge=0)] = 0.0
+    """Memory per node in GB (0: the partition's default)."""
+    setup: Annotated[list[str], OneOrMany] = field(default_factory=list)
+    """Shell lines run before training (module load ..., conda activate ...); one string is one line."""
     python: str = ""
-    signal_delay: timedelta = timedelta(seconds=90)
-    max_requeues: int = 3
-    use_srun: bool = True
-    proxy: str = ""
+    """The interpreter after `setup` ("": the one running `launch`)."""
+    signal_delay: Duration = timedelta(seconds=90)
+    """USR2 comes this long before the time limit: time to checkpoint and requeue."""
+    max_requeues: Annotated[StrictInt, Field(ge=0)] = 3
+    """Requeues after a time-out (preemptions are not counted)."""
+    use_srun: StrictBool = True
+    """Start the tasks with srun inside the job."""
+    proxy: Annotated[str, _PROXY] = ""
+    """http://host:port when compute nodes reach the internet only through it ("": none)."""
     run_dir: str = ""
-    shared_fs: bool = False
-    sbatch_extra: dict[str, str] = field(default_factory=dict)
+    """A filesystem every node shares; the run lives in <run_dir>/<federation> ("": the top-level run_dir)."""
+    shared_fs: StrictBool = False
+    """True silences the check that run_dir is on a shared filesystem."""
+    sbatch_extra: dict[Annotated[str, _SBATCH_OPTION], str | StrictInt | StrictBool] = field(default_factory=dict)
+    """More sbatch options, name (no leading --) to value."""
 
     @property
     def shards(self) -> int:
@@ -57,25 +90,12 @@ class SiteConfig:
         return self.shard_count or self.first_shard + self.num_sites
 
     def __post_init__(self) -> None:
-        self.timeout = parse_duration(self.timeout, "site.timeout")
-        self.signal_delay = parse_duration(self.signal_delay, "site.signal_delay")
-        one_of(self.executor, ("local", "slurm"), "site.executor")
-        check(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", self.name)), "site.name", "use letters, digits, _ . -")
-        check(1 <= self.num_sites <= 64, "site.num_sites", f"must be in 1..64, got {self.num_sites}")
-        check(self.first_shard >= 0, "site.first_shard", f"must be 0 or more, got {self.first_shard}")
         check(
             self.shard_count == 0 or self.shard_count >= self.first_shard + self.num_sites,
             "site.shard_count",
             f"is {self.shard_count}, but sites {self.first_shard}..{self.first_shard + self.num_sites - 1} need "
             f"at least {self.first_shard + self.num_sites} shards (0: first_shard + num_sites)",
         )
-        check(self.cpus_per_site >= 1, "site.cpus_per_site", "must be at least 1")
-        for key in ("nodes", "tasks_per_node"):
-            check(getattr(self, key) >= 1, f"site.{key}", f"must be at least 1, got {getattr(self, key)}")
-        check(self.gpus_per_node >= 0, "site.gpus_per_node", "must be 0 (CPU only) or more")
-        check(self.mem_gb >= 0, "site.mem_gb", "must be 0 (the partition's default) or more")
-        check(self.max_requeues >= 0, "site.max_requeues", "must be 0 or more")
-        one_of(self.gpu_style, ("gres", "gpus", "none"), "site.gpu_style")
         if self.gpu_type:
             check(
                 self.gpu_type in GPU_TYPES,
@@ -84,21 +104,6 @@ class SiteConfig:
                 "(or leave it empty and put the cluster's own gres string in site.sbatch_extra)",
             )
             check(self.gpus_per_node > 0, "site.gpu_type", "is set but site.gpus_per_node is 0")
-        self.setup = list(self.setup)
-        check(all(isinstance(s, str) for s in self.setup), "site.setup", "must be a list of shell lines")
-        self.sbatch_extra = dict(self.sbatch_extra)
-        for key, value in self.sbatch_extra.items():
-            check(
-                bool(re.fullmatch(r"[a-z][a-z0-9_-]*", str(key))) and isinstance(value, (str, int, bool)),
-                "site.sbatch_extra",
-                f"expected sbatch option names (no leading --) to string values, got {key!r}: {value!r}",
-            )
-        if self.proxy:
-            check(
-                bool(re.fullmatch(r"https?://[^\s/]+(:\d+)?/?", self.proxy)),
-                "site.proxy",
-                f"expected http://host:port, got {self.proxy!r}",
-            )
         if self.executor == "slurm":
             check(bool(self.partition), "site.partition", "a Slurm site needs a partition (`sinfo -s` lists them)")
             check(

@@ -1,0 +1,74 @@
+"""The model a federation trains: `model.*` (a decoder-only causal language model's shape)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, StrictBool, StrictFloat, StrictInt
+
+from geofed_hpc.config.fields import check
+from geofed_hpc.config.section import section
+
+Size = Annotated[StrictInt, Field(ge=1)]
+
+
+@section("model")
+class ModelConfig:
+    """A decoder-only causal language model's shape."""
+
+    name: str = "tiny"
+    """The shape's name (model=tiny, llama3_1b, ...)."""
+    arch: Literal["gpt2", "llama"] = "gpt2"
+    """gpt2: learned positions, LayerNorm, GELU; llama: RoPE, RMSNorm, SwiGLU, grouped-query attention."""
+    vocab_size: Size = 50257
+    """Tokens in the vocabulary."""
+    context: Size = 64
+    """Tokens per training sequence."""
+    d_model: Size = 64
+    """Width of the residual stream (a multiple of n_heads)."""
+    n_layers: Size = 2
+    """Transformer blocks."""
+    n_heads: Size = 4
+    """Attention heads per block."""
+    d_ff: Size = 256
+    """Hidden width of each block's MLP."""
+    dropout: Annotated[StrictFloat, Field(ge=0, lt=1)] = 0.0
+    """Dropout probability while training."""
+    tie_embeddings: StrictBool = True
+    """The output layer shares the token embedding's weights."""
+    n_kv_heads: Annotated[StrictInt, Field(ge=0)] = 0
+    """Llama: key/value heads of grouped-query attention, dividing n_heads (0: n_heads)."""
+    rope_theta: Annotated[StrictFloat, Field(gt=0)] = 10000.0
+    """Llama: the RoPE base."""
+    rope_scaling: Annotated[StrictFloat, Field(ge=1)] = 1.0
+    """Llama 3 RoPE frequency scaling factor (1: off)."""
+    rope_original_context: Size = 8192
+    """Llama 3 RoPE scaling: the context the model was pretrained at."""
+    norm_eps: Annotated[StrictFloat, Field(gt=0)] = 1e-5
+    """Epsilon of the normalization layers."""
+    init_from: str = ""
+    """A local Hugging Face-format .safetensors file or folder to start from (fine-tuning; "": random init)."""
+
+    def __post_init__(self) -> None:
+        check(
+            self.d_model % self.n_heads == 0,
+            "model.d_model",
+            f"must be divisible by model.n_heads ({self.d_model} % {self.n_heads} != 0)",
+        )
+        check(
+            self.n_heads % self.kv_heads == 0,
+            "model.n_kv_heads",
+            f"must divide model.n_heads ({self.n_heads} % {self.kv_heads} != 0)",
+        )
+        check(self.arch == "llama" or self.kv_heads == self.n_heads, "model.n_kv_heads", "is for arch=llama only")
+        check(self.arch != "llama" or self.head_dim % 2 == 0, "model.n_heads", "RoPE needs an even head size")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (n_kv_heads, or n_heads when it is 0)."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head."""
+        return self.d_model // self.n_heads
