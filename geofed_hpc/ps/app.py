@@ -65,7 +65,7 @@ class ParameterServer:
             if cfg.ps.metrics_port > 0:
                 self.exporter = PrometheusExporter()
                 self.exporter.serve(cfg.ps.metrics_host or cfg.ps.host, cfg.ps.metrics_port)
-                self.logic.on_site_metrics = self.exporter.observe
+                self.logic.core.observer.on_site_metrics = self.exporter.observe
             self.recorder = self._recorder()
             self._served = start_server(self.logic, cfg.ps, self.exporter.rpc if self.exporter else None)
         except BaseException:
