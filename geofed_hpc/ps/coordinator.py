@@ -6,16 +6,17 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 from geofed_hpc.config import PSConfig
-from geofed_hpc.errors import GeofedError, ProtocolError, StaleError, UnavailableError
+from geofed_hpc.errors import GeofedError, ProtocolError, StaleError
 from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
 from geofed_hpc.paradigms.exchange import Exchange
 from geofed_hpc.ps.aggregate import Params
 from geofed_hpc.ps.journal import Entry
-from geofed_hpc.ps.ledger import PushLedger
+from geofed_hpc.ps.ledger import PushLedger, resent
 from geofed_hpc.ps.model import GlobalModel
 from geofed_hpc.ps.observe import Contribution, Observer
 from geofed_hpc.ps.persist import Persistence, load_init
@@ -33,10 +34,11 @@ class Coordinator:
     open round (`strategy`, picked once by strategy_for), the state directory (`persistence`) and what the PS shows
     (`observer`). No RPC here: ParameterServerLogic (servicer.py) turns requests into these calls.
 
-    Lock: `_cond` (a Condition) guards model, sessions, ledger, strategy, persistence and `_closing`, none of which
-    has a lock of its own; every public method holds it for its whole transition, so a push is admitted, counted,
-    remembered, maybe aggregated, snapshotted and journaled as one step. Waiting on it: long-polls for a newer
-    version, a resent push for its first stream, `finish` for pushes in flight. The observer's lock nests inside.
+    Lock: `_cond` (a Condition) guards model, sessions, strategy, persistence and `_closing`, none of which has a
+    lock of its own; every public method holds it for its whole transition, so a push is admitted, counted,
+    remembered, maybe aggregated, snapshotted and journaled as one step. Long-polls wait on it for a newer version.
+    The ledger's and the observer's own locks nest inside it (never the other way round); what waits on the
+    ledger (a resent push for its first stream, `finish` for pushes in flight) waits without it.
     """
 
     def __init__(
@@ -75,8 +77,7 @@ class Coordinator:
 
     @property
     def journals(self) -> bool:
-        """A delta admitted now may be journaled (a state directory, and rounds that stay open): its staged
-        payload must be on disk before it is handed over."""
+        """An admitted delta may be journaled (so its staged payload must be on disk before it is handed over)."""
         return self.persistence.journals and self.strategy.stays_open
 
     # ---------------------------------------------------------------- sessions, heartbeats, status
@@ -144,36 +145,26 @@ class Coordinator:
         here until `end_push`."""
         with self._cond:
             session = self.sessions.get(header.session_id)
-            if not header.push_id:
-                raise ProtocolError("push header has no push_id: set one so a retransmission is recognised")
-            replay = self._replay(header.push_id, session)
-            if replay is not None:
-                return session, replay
+        if not header.push_id:
+            raise ProtocolError("push header has no push_id: set one so a retransmission is recognised")
+        previous = self.ledger.claim(header.push_id, self.cfg.rpc_timeout)
+        with self._cond:
+            if previous is not None:
+                logger.info("site %s resent push %s; not applied twice", session.site, header.push_id[:8])
+                return session, resent(header.push_id, previous, self.model.version)
             try:
                 self._precheck(header)
-            except GeofedError:
-                session.refused += 1
+            except BaseException as exc:
+                session.refused += int(isinstance(exc, GeofedError))
+                self.ledger.release(header.push_id)
                 raise
-            self.ledger.start(header.push_id)
-            return session, None
+        return session, None
 
     def end_push(self, session: Session, push_id: str, refused: bool) -> None:
         """The push is answered (`refused`: with an error of the site's making)."""
         with self._cond:
             session.refused += int(refused)
-            self.ledger.finish(push_id)
-            self._cond.notify_all()
-
-    def _replay(self, push_id: str, session: Session) -> m.PushReply | None:
-        deadline = time.monotonic() + self.cfg.rpc_timeout.total_seconds()
-        while self.ledger.receiving(push_id):
-            if time.monotonic() >= deadline:
-                raise UnavailableError(f"push {push_id[:8]} is still being received on another stream; retry")
-            self._cond.wait(0.5)
-        reply = self.ledger.duplicate(push_id, self.model.version)
-        if reply is not None:
-            logger.info("site %s resent push %s; not applied twice", session.site, push_id[:8])
-        return reply
+        self.ledger.release(push_id)
 
     def _precheck(self, h: m.PushHeader) -> None:
         """Refuse what the header alone shows to be wrong, before any payload byte is read."""
@@ -270,13 +261,9 @@ class Coordinator:
 
     def _seed(self, params: Params, version: int, source: str) -> None:
         """Adopt `params` as a fresh global model at `version`, with no history (hold the lock)."""
-        self.model.seed(params, version)
+        self.model.seed(params, version, source)
         self._adopted()
         self.persistence.clear_journal()
-        if version > 0 and source.startswith("site"):
-            logger.warning("global model re-seeded at version %d by %s (the PS had no state)", version, source)
-        else:
-            logger.info("global model initialized at version %d by %s: %d tensors", version, source, len(params))
         self._snapshot()
         self._cond.notify_all()
 
@@ -294,18 +281,10 @@ class Coordinator:
         if loaded is None:
             return
         state, path = loaded
-        dropped = self.model.restore(state)
+        self.model.restore(state, path)
         self._adopted()
         self.sessions.load_json(state.sessions)
         self.ledger.load_json(state.push_ids)
-        logger.info(
-            "restored global model version %d (%d tensors, %d sessions) from %s%s",
-            state.version,
-            len(state.params),
-            len(state.sessions),
-            path,
-            f"; dropped {dropped} downlink updates newer than it" if dropped else "",
-        )
 
     def _init_from(self, path: Path) -> None:
         if self.model.initialized:
@@ -337,13 +316,11 @@ class Coordinator:
             self._closing = True
             self._cond.notify_all()
 
-    def finish(self, wait: float = 10.0) -> None:
+    def finish(self, wait: timedelta = timedelta(seconds=10)) -> None:
         """After the server stopped: wait for pushes still applying, apply the open round, snapshot."""
-        deadline = time.monotonic() + wait
+        self.begin_shutdown()
+        self.ledger.wait_idle(wait)
         with self._cond:
-            self._closing = True
-            while self.ledger.in_flight and time.monotonic() < deadline:
-                self._cond.wait(0.2)
             if self.model.initialized and self.strategy.count:
                 self._close_round("shutdown: applying the open round early")
             self._snapshot()

@@ -71,15 +71,20 @@ class GlobalModel:
         self.version = version
         self._new_version()
 
-    def seed(self, params: Params, version: int) -> None:
-        """Adopt `params` as a fresh global model at `version`, with no history (momentum, downlink)."""
+    def seed(self, params: Params, version: int, source: str) -> None:
+        """Adopt `params` (from `source`) as a fresh global model at `version`, with no history (momentum,
+        downlink)."""
         self.adopt(params, version)
         self.outer.load_state({})
         self.downlink.reset()
+        if version > 0 and source.startswith("site"):
+            logger.warning("global model re-seeded at version %d by %s (the PS had no state)", version, source)
+        else:
+            logger.info("global model initialized at version %d by %s: %d tensors", version, source, len(params))
 
-    def restore(self, state: PSState) -> int:
-        """Adopt a snapshot's model, its momentum (when it used this outer optimizer) and downlink residual; drop
-        kept downlink updates newer than it. How many were dropped."""
+    def restore(self, state: PSState, path: Path) -> None:
+        """Adopt a snapshot's model (read from `path`), its momentum (when it used this outer optimizer) and
+        downlink residual; drop kept downlink updates newer than it."""
         self.adopt(state.params, state.version)
         previous = state.settings.get("outer_optimizer")
         if previous == self.outer.kind:
@@ -87,7 +92,15 @@ class GlobalModel:
         elif state.momentum:
             logger.warning("snapshot used outer optimizer %s; its momentum is dropped", previous)
         self.downlink.residual = state.residual
-        return self.downlink.truncate(state.version)
+        dropped = self.downlink.truncate(state.version)
+        logger.info(
+            "restored global model version %d (%d tensors, %d sessions) from %s%s",
+            state.version,
+            len(state.params),
+            len(state.sessions),
+            path,
+            f"; dropped {dropped} downlink updates newer than it" if dropped else "",
+        )
 
     def state(self) -> PSState:
         """What a snapshot holds of the model: version, params, momentum and downlink residual (not copied)."""

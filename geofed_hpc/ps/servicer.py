@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 from geofed_hpc.config import PSConfig
@@ -141,7 +142,7 @@ class ParameterServerLogic:
         """Stop long-polls from waiting (they answer with what they have); pushes in flight go on."""
         self.core.begin_shutdown()
 
-    def finish(self, wait: float = 10.0) -> None:
+    def finish(self, wait: timedelta = timedelta(seconds=10)) -> None:
         """After the server stopped: wait for pushes still applying, apply the open round, snapshot, clean up."""
         self.core.finish(wait)
         self._decoders.shutdown(wait=True)
