@@ -38,7 +38,8 @@ class MeanAccumulator:
 
     fold(delta, weight, scale, steps) adds weight*scale*delta; take_sum() hands over the WeightedSum (before the
     mean: what a peer group would reduce), take_mean() its mean and FedNova's effective step count (the weighted
-    mean of the folded `steps`); both start afresh.
+    mean of the folded `steps`); both start afresh. Not thread-safe: its owner (the open round) is called under
+    the coordinator's lock.
     """
 
     def __init__(self) -> None:
@@ -107,7 +108,8 @@ def staleness_discount(staleness: int) -> float:
 class RelativeWork:
     """Async `ps.weighting=tokens`: a delta counts its tokens over the mean tokens of the last `window` deltas (its
     own included). Sites that trained more tokens in their interval count more, and the weights average 1, so the
-    step stays what `ps.global_lr` and the staleness discount make it. Soft state: a restarted PS starts afresh."""
+    step stays what `ps.global_lr` and the staleness discount make it. Soft state: a restarted PS starts afresh.
+    Not thread-safe: its owner (the async strategy) is called under the coordinator's lock."""
 
     def __init__(self, window: int = 16) -> None:
         if window < 1:
@@ -168,6 +170,7 @@ class OuterOptimizer:
 
     Deltas point from the base to the local model (the negative outer gradient), so Nesterov reads
     m <- mu*m + D; update = lr * (D + mu*m), torch's SGD(nesterov=True) with the sign flipped.
+    Not thread-safe: its owner (the GlobalModel) is called under the coordinator's lock.
     """
 
     KINDS = ("plain", "nesterov", "fednova")

@@ -51,7 +51,9 @@ def run_settings(cfg: RunConfig) -> m.RunSettings:
 
 
 class ParameterServer:
-    """Start with the constructor, stop with `stop()`; `port` is the bound port (ps.port=0 picks one)."""
+    """Start with the constructor, stop with `stop()`; `port` is the bound port (ps.port=0 picks one). Owns the
+    gRPC server, the round ticker thread and the metrics outputs; `logic` (ParameterServerLogic) holds the state.
+    Lock: none; `stop` acts once, and the ticker only calls `logic.tick` and reads the metrics."""
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg

@@ -36,7 +36,8 @@ class PSState:
 
 
 class Snapshots:
-    """`global-{version}.gft` files in the state directory, written atomically; the newest two are kept."""
+    """`global-{version}.gft` files in the state directory, written atomically; the newest two are kept.
+    Lock: none; Persistence calls it, under the coordinator's lock."""
 
     def __init__(self, directory: Path, keep: int = 2) -> None:
         self.store = CheckpointStore(directory, prefix="global", keep=keep)

@@ -27,6 +27,8 @@ class Staging:
 
     Receiving a push writes chunk by chunk to a file (memory stays one chunk per push, whatever the number
     of sites uploading at once); nothing is decoded or applied before the whole stream verified.
+
+    Lock: its own `_lock` guards the file-name counter; each file belongs to the one stream or delta that made it.
     """
 
     def __init__(self, directory: str | Path | None) -> None:
