@@ -154,11 +154,6 @@ class OpenRound:
                 v *= np.float32(tau_eff)
         return result
 
-    def close(self) -> tuple[Params, int]:
-        """The aggregated delta of the open round and how many deltas it holds; a new round opens."""
-        totals = self.take()
-        return self.aggregate(totals), totals.count
-
     def clear(self) -> None:
         """Drop the open round (its spooled files too)."""
         r, self._open = self._open, _Open()

@@ -81,9 +81,6 @@ class Strategy(ABC):
         self.round.admit(prepared, self.weight(prepared.tokens), self.scale(staleness, prepared.tokens))
         return staleness
 
-    def discard(self, prepared: Prepared) -> None:
-        self.round.discard(prepared)
-
     # ---------------------------------------------------------------- closing
     @abstractmethod
     def ready(self, active: set[str]) -> bool:
