@@ -15,8 +15,8 @@ ACTIONS = ("kill", "enospc", "eio", "exit")
 # Named points (where the code calls `fault()`):
 #   atomic.write   ckpt/atomic.py, after the data is written to the temp file, before fsync and rename
 #                  (label: the target file name, e.g. global-00000003.gft or site-00000002.gft)
-#   ps.aggregate   ps/state.py, a round's deltas are summed and the update is about to be applied
-#   ps.snapshot    ps/state.py, right after a snapshot file was written, before the pushes are answered
+#   ps.aggregate   ps/coordinator.py, a round's deltas are summed and the update is about to be applied
+#   ps.snapshot    ps/persist.py, right after a snapshot file was written, before the pushes are answered
 #   ps.journal     ps/journal.py, a delta of an open round is journaled, before its push is answered
 #   ps.stream      ps/servicer.py, a pull (StreamModel) arrived, before anything is sent (label: its min_version)
 #   rpc.push       rpc/client.py, a push's first chunk is on the wire and the rest is not

@@ -7,6 +7,7 @@ from geofed_hpc.ps.aggregate import (
     MeanAccumulator,
     OuterOptimizer,
     RelativeWork,
+    WeightedSum,
     add_update,
     buffer_full,
     clip_scale,
@@ -48,6 +49,28 @@ def test_scale_is_not_normalised_away_and_fednova_factor() -> None:
     mean, tau_eff = acc.take_mean()
     np.testing.assert_array_equal(mean["x"], f32(4.0))
     assert tau_eff == pytest.approx((1 * 2 + 3 * 6) / 4)
+
+
+def test_weighted_sum_is_handed_over_before_the_mean_and_parts_add_up() -> None:
+    """A round folded in two parts (as peers would) has the sum, weights and count of one fold of everything."""
+    deltas = [f32(1.0, 2.0), f32(3.0, -1.0), f32(5.0, 0.0)]
+    weights, steps = [1.0, 2.0, 3.0], [2, 4, 6]
+    whole, left, right = MeanAccumulator(), MeanAccumulator(), MeanAccumulator()
+    for i, (d, w, n) in enumerate(zip(deltas, weights, steps, strict=True)):
+        whole.fold({"x": d}, w, steps=n)
+        (left if i < 1 else right).fold({"x": d}, w, steps=n)
+    a, b = left.take_sum(), right.take_sum()
+    assert left.count == 0 and right.count == 0  # taking hands the sum over and starts afresh
+    joined = WeightedSum({"x": a.total["x"] + b.total["x"]}, a.weight + b.weight, a.weighted_steps + b.weighted_steps,
+                         a.count + b.count)  # fmt: skip
+    expected = whole.take_sum()
+    assert (joined.weight, joined.weighted_steps, joined.count) == (expected.weight, expected.weighted_steps, 3)
+    np.testing.assert_allclose(joined.total["x"], expected.total["x"], rtol=1e-6)
+    mean, tau_eff = joined.mean()
+    np.testing.assert_allclose(mean["x"], sum(w * d for d, w in zip(deltas, weights, strict=True)) / 6, rtol=1e-6)
+    assert tau_eff == pytest.approx((2 + 8 + 18) / 6)
+    with pytest.raises(ValueError, match="no delta folded"):
+        MeanAccumulator().take_sum()
 
 
 def test_accumulator_does_not_alias_unless_consuming() -> None:

@@ -388,7 +388,7 @@ def test_a_resumed_push_resent_after_a_kill_is_applied_once(
         push_id = meta["pending"]["push_id"]
         assert meta["version"] == 0 and push_id
         other = ps.logic.join(m.JoinRequest("other")).session_id  # another site moves the global model on
-        zeros = {k: np.zeros_like(v) for k, v in (ps.logic.params or {}).items()}
+        zeros = {k: np.zeros_like(v) for k, v in (ps.logic.core.model.params or {}).items()}
         assert push(ps.logic, other, 0, zeros).accepted and ps.logic.version == 1
 
         monkeypatch.setenv(faults.ENV, "atomic.write[site-]@1=kill")  # the checkpoint after the resume push

@@ -160,7 +160,7 @@ floats = st.floats(allow_nan=True, allow_infinity=True)
 @given(site=text, token=st.one_of(text, st.just(TOKEN)), resume=st.one_of(st.just(""), text))
 def test_joins_with_bad_or_random_fields(target: Target, site: str, token: str, resume: str) -> None:
     expect_refused(lambda: target.client._calls["Join"](m.JoinRequest(site, token, "", resume), timeout=10))
-    assert len(target.server.logic.sessions.sessions) <= 64
+    assert len(target.server.logic.core.sessions.sessions) <= 64
     target.unchanged()
 
 

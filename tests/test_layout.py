@@ -118,3 +118,19 @@ def test_no_module_imports_one_that_imports_it_back() -> None:
                 seen.add(node)
                 stack.extend(graph[node])
     assert cycles == []
+
+
+def test_only_the_strategy_factory_names_an_aggregation_mode() -> None:
+    """ps/ asks its strategy (ps/strategy/) what a mode does; only the factory reads the mode's name."""
+    factory = PACKAGE / "ps" / "strategy" / "__init__.py"
+    compares = re.compile(r"aggregation\s*(==|!=|\bin\b|\bnot in\b)|\bmatch\s+[\w.]*aggregation")
+    names = re.compile(r"""["'](sync|async|buffered)["']""")
+    hits = [
+        f"{p.relative_to(PACKAGE)}:{i}: {line.strip()}"
+        for p in sorted((PACKAGE / "ps").rglob("*.py"))
+        if p != factory
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if compares.search(line) or names.search(line)
+    ]
+    assert hits == []
+    assert names.search(factory.read_text())  # the check looks where the names are

@@ -108,9 +108,9 @@ def test_two_sites_lower_the_loss_and_only_phi_travels(tmp_path: Path, shards: P
     try:
         run_sites(cfg, tmp_path, ps)
         logic = ps.logic
-        assert logic.version == 3 and logic.pushes_total == 6
-        wire, held = set(logic._spec), set(logic.params or {})
-        per_push = logic.bytes_received_total / logic.pushes_total
+        assert logic.version == 3 and logic.core.observer.pushes_total == 6
+        wire, held = set(logic.core.model.spec), set(logic.core.model.params or {})
+        per_push = logic.core.observer.bytes_received_total / logic.core.observer.pushes_total
     finally:
         ps.stop()
     for site in ("local-0", "local-1"):
@@ -228,13 +228,13 @@ def test_zo_pushes_scalars_the_ps_expands_them_and_a_seed_mismatch_is_refused() 
     assert logic.version == 1  # one site: the round closed
     expected = {k: v + dense_update(coefs, 7, 0, spec)[k] for k, v in start.items()}
     for k, v in expected.items():
-        np.testing.assert_array_equal(logic.params[k], v)  # type: ignore[index]
+        np.testing.assert_array_equal(logic.core.model.params[k], v)  # type: ignore[index]
     # a site applying the PS's update chain from the seed lands on the same bits
-    header, payload = logic._model_payload(m.ModelRequest(session, have_version=0, want_updates=True))
+    header, payload = logic.core.model.payload(m.ModelRequest(session, have_version=0, want_updates=True))
     assert header.kind == "updates" and len(payload) < 1024
-    mirror = apply_updates({k: v.copy() for k, v in start.items()}, header, payload, logic.exchange)
+    mirror = apply_updates({k: v.copy() for k, v in start.items()}, header, payload, logic.core.model.exchange)
     for k, v in mirror.items():
-        np.testing.assert_array_equal(v, logic.params[k])  # type: ignore[index]
+        np.testing.assert_array_equal(v, logic.core.model.params[k])  # type: ignore[index]
 
 
 @pytest.mark.slow

@@ -24,8 +24,8 @@ def fetch(logic: ParameterServerLogic, session: str, have: int | None) -> tuple[
 
 
 def global_model(logic: ParameterServerLogic) -> dict[str, np.ndarray]:
-    assert logic.params is not None
-    return {k: v.copy() for k, v in logic.params.items()}
+    assert logic.core.model.params is not None
+    return {k: v.copy() for k, v in logic.core.model.params.items()}
 
 
 def random_delta(params: dict, seed: int) -> dict[str, np.ndarray]:
@@ -68,7 +68,7 @@ def test_error_feedback_keeps_the_quantisation_error_from_adding_up() -> None:
         push(logic, a, i, d, cfg=CodecConfig(name="fp32"), push_id=f"e{i}")
         for k in exact:
             exact[k] += d[k]
-    residual = logic.downlink.residual
+    residual = logic.core.model.downlink.residual
     got = global_model(logic)
     for k in exact:
         # what is missing from the global model is exactly what the PS still carries for the next update
@@ -113,5 +113,5 @@ def test_sync_rounds_serve_one_cached_chain_to_every_site() -> None:
         header, payload = fetch(logic, s, 0)
         replicas[s] = apply_updates(replicas[s], header, payload)
         assert_bit_identical(replicas[s], global_model(logic))
-    assert list(logic._chain_cache) == [0]  # encoded once per version, hashed once, served to all
+    assert logic.core.model.cached_chains() == [0]  # encoded once per version, hashed once, served to all
     assert small_params().keys() == replicas[sessions[0]].keys()

@@ -39,22 +39,26 @@ def test_restart_restores_model_momentum_sessions_pushes_and_history(tmp_path: P
     replica = codec.decode(fetch(logic, b, None)[1])
     for i in range(3):
         push(logic, a, i, random_delta(params, i), cfg=INT8, push_id=f"r{i}")
-    before = (logic.model_hash(), {k: v.copy() for k, v in logic.outer.buffers.items()}, logic.downlink.residual)
+    before = (
+        logic.model_hash(),
+        {k: v.copy() for k, v in logic.core.model.outer.buffers.items()},
+        logic.core.model.downlink.residual,
+    )
     logic.finish()
 
     restarted = make("async", **kw)
     assert restarted.version == 3 and restarted.model_hash() == before[0]
     for k, v in before[1].items():
-        np.testing.assert_array_equal(restarted.outer.buffers[k], v)
+        np.testing.assert_array_equal(restarted.core.model.outer.buffers[k], v)
     for k, v in before[2].items():
-        np.testing.assert_array_equal(restarted.downlink.residual[k], v)
+        np.testing.assert_array_equal(restarted.core.model.downlink.residual[k], v)
     again = restarted.join(m.JoinRequest("site1", rejoin.rejoin_token, resume_session=b))  # the token survived
     assert again.session_id == b and again.version == 3
     assert push(restarted, a, 2, random_delta(params, 2), cfg=INT8, push_id="r2").duplicate
     header, payload = fetch(restarted, b, 0)  # the downlink history survived too
     assert header.kind == "updates" and len(header.segments) == 3
     replica = apply_updates(replica, header, payload)
-    assert all(replica[k].tobytes() == restarted.params[k].tobytes() for k in replica)  # type: ignore[index]
+    assert all(replica[k].tobytes() == restarted.core.model.params[k].tobytes() for k in replica)  # type: ignore[index]
     restarted.finish()
 
 
@@ -66,10 +70,10 @@ def test_snapshot_every_n_versions_and_newer_updates_are_dropped(tmp_path: Path)
     for i in range(5):
         push(logic, a, i, random_delta(params, i), cfg=INT8, push_id=f"s{i}")
     assert CheckpointStore(tmp_path, prefix="global").latest_step() == 3
-    assert logic.downlink.versions() == [0, 1, 2, 3, 4]
+    assert logic.core.model.downlink.versions() == [0, 1, 2, 3, 4]
     # a crash here (no finish): the restart goes back to version 3 and forgets updates 3->4 and 4->5
     restarted = make("async", **kw)
-    assert restarted.version == 3 and restarted.downlink.versions() == [0, 1, 2]
+    assert restarted.version == 3 and restarted.core.model.downlink.versions() == [0, 1, 2]
     (b,) = joined(restarted, 1)
     with pytest.raises(Exception, match="newer than the global version 3"):
         push(restarted, b, 5, random_delta(params, 9), cfg=INT8)
@@ -124,8 +128,8 @@ def test_kill_during_snapshot_leaves_the_previous_one_loadable(tmp_path: Path) -
     assert torn, "never caught the writer mid-snapshot"
     restored = make("async", run_codec="fp32", state_dir=str(tmp_path), downlink_history=0)
     assert restored.initialized and restored.version >= 2
-    assert restored.params is not None
-    np.testing.assert_array_equal(restored.params["w"], np.full(1 << 23, restored.version, np.float32))
+    assert restored.core.model.params is not None
+    np.testing.assert_array_equal(restored.core.model.params["w"], np.full(1 << 23, restored.version, np.float32))
     restored.finish()
     assert not any(TEMP_MARKER in p.name for p in tmp_path.iterdir())
 
@@ -236,8 +240,8 @@ def test_site_reseeds_a_ps_that_lost_everything_and_keeps_a_bit_identical_copy(t
     try:
         trainer = SiteTrainer(config(2), 0, first.address)
         assert trainer.run()["version"] == 2
-        assert first.logic._chain_cache  # the site pulled encoded updates, not the model
-        assert all(trainer.base[k].tobytes() == first.logic.params[k].tobytes() for k in trainer.base)
+        assert first.logic.core.model.cached_chains()  # the site pulled encoded updates, not the model
+        assert all(trainer.base[k].tobytes() == first.logic.core.model.params[k].tobytes() for k in trainer.base)
     finally:
         first.stop()
     empty = ParameterServer(config(3))  # no state_dir: the PS lost everything

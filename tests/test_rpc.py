@@ -60,7 +60,7 @@ def test_round_trip_join_pull_push_new_version(live_ps) -> None:
         header, payload = client.pull_model(b.session_id, 1, timedelta(seconds=5), have_version=0)
         assert header.kind == "updates" and header.version == 1 and header.base_version == 0
         replica = apply_updates(replica, header, payload)
-        assert all(replica[k].tobytes() == live_ps.logic.params[k].tobytes() for k in params)
+        assert all(replica[k].tobytes() == live_ps.logic.core.model.params[k].tobytes() for k in params)
         np.testing.assert_allclose(replica["ln.bias"], 0.01, atol=1e-6)
         status = client.status()
         assert status.version == 1 and status.num_params == sum(v.size for v in params.values())
@@ -130,7 +130,7 @@ def test_sixteen_concurrent_sites_over_grpc(live_ps) -> None:
     for header, replica in results:  # type: ignore[misc]
         assert header.kind == "updates" and header.version == 1
         for k in params:
-            assert replica[k].tobytes() == logic.params[k].tobytes()  # bit-identical to the PS
+            assert replica[k].tobytes() == logic.core.model.params[k].tobytes()  # bit-identical to the PS
             np.testing.assert_allclose(replica[k], expected[k], atol=2e-4)
     status = logic.status(m.StatusRequest())
     assert sum(s.pushes for s in status.sites) == n and status.pushes_in_flight == 0

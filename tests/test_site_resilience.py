@@ -218,7 +218,7 @@ def test_a_ps_back_without_its_state_is_reseeded_by_the_running_site_and_gets_it
         assert not servers[-1].logic.initialized
         assert site.wait(timeout=300) == [0], site.output()
         logic = servers[-1].logic
-        final, params = logic.version, {k: v.copy() for k, v in (logic.params or {}).items()}
+        final, params = logic.version, {k: v.copy() for k, v in (logic.core.model.params or {}).items()}
     finally:
         site.close()
         for server in servers:

@@ -128,7 +128,7 @@ def test_a_site_trusting_another_ca_is_refused_naming_the_certificate(pki: dict[
     with tls_ps(pki["ours"]) as ps, PSClient(cfg, ps.address) as client:
         with pytest.raises(UnavailableError, match="does not verify against ps.ca_file.*CERTIFICATE_VERIFY_FAILED"):
             client.join(m.JoinRequest("osc-0"))
-        assert ps.logic.sessions.sessions == {}
+        assert ps.logic.core.sessions.sessions == {}
 
 
 def test_a_plaintext_site_against_a_tls_server_fails_and_is_told_to_use_tls(pki: dict[str, Path]) -> None:
@@ -138,7 +138,7 @@ def test_a_plaintext_site_against_a_tls_server_fails_and_is_told_to_use_tls(pki:
             client.join(m.JoinRequest("osc-0"))
         with pytest.raises(UnavailableError, match="speaks TLS but this client is plaintext.*attempts"):
             client.connect(timedelta(seconds=1))
-        assert ps.logic.sessions.sessions == {}
+        assert ps.logic.core.sessions.sessions == {}
 
 
 def test_mutual_tls_refuses_sites_without_a_certificate_from_the_federation_ca(pki: dict[str, Path]) -> None:
@@ -150,7 +150,7 @@ def test_mutual_tls_refuses_sites_without_a_certificate_from_the_federation_ca(p
         ]:
             with PSClient(cfg, ps.address) as client, pytest.raises(UnavailableError, match=f"{ps.address}.*{why}"):
                 client.join(m.JoinRequest("rogue-0"))
-        assert ps.logic.sessions.sessions == {}
+        assert ps.logic.core.sessions.sessions == {}
         with PSClient(tls_client(ca, pki["ours"] / "sites" / "osc"), ps.address) as client:
             assert client.join(m.JoinRequest("osc-0")).session_id
 

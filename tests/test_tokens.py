@@ -73,9 +73,9 @@ def test_verifier_refuses_wrong_site_expired_revoked_unknown_and_logs_no_secret(
     good, rec = tokens.issue("osc", timedelta(hours=1))
     short, _ = tokens.issue("osc", timedelta(seconds=10))
     logic = make(state_dir=str(tmp_path))
-    logic.sessions.verifier = TokenVerifier(path, clock=lambda: now[0])
+    logic.core.sessions.verifier = TokenVerifier(path, clock=lambda: now[0])
     sid = logic.join(m.JoinRequest("osc-0", good)).session_id  # osc's token admits its numbered jobs
-    assert logic.sessions.sessions[sid].token_id == rec.id
+    assert logic.core.sessions.sessions[sid].token_id == rec.id
     assert logic.join(m.JoinRequest("osc", short)).session_id
     cases = [
         ("for site 'osc', not this one", m.JoinRequest("tacc", good)),
@@ -96,7 +96,7 @@ def test_verifier_refuses_wrong_site_expired_revoked_unknown_and_logs_no_secret(
         logic.join(m.JoinRequest("osc", good))
     with pytest.raises(AuthError, match="revoked"):  # the session that joined with it ends too
         logic.heartbeat(m.HeartbeatRequest(sid))
-    assert sid not in logic.sessions.sessions
+    assert sid not in logic.core.sessions.sessions
     refused = [r.getMessage() for r in warnings_log.records if "refused" in r.getMessage()]
     assert len(refused) >= 6
     assert not [line for line in refused if good.split("_", 2)[2] in line or short.split("_", 2)[2] in line]
@@ -133,11 +133,11 @@ def test_sessions_per_site_and_in_all_are_bounded_under_a_flood_of_joins() -> No
     clock.now += 1
     logic.heartbeat(m.HeartbeatRequest(first[1]))
     logic.heartbeat(m.HeartbeatRequest(first[2]))
-    clock.now += logic.sessions.idle_after  # first[0] went idle, the others were seen a moment later
+    clock.now += logic.core.sessions.idle_after  # first[0] went idle, the others were seen a moment later
     logic.heartbeat(m.HeartbeatRequest(first[1]))
     logic.heartbeat(m.HeartbeatRequest(first[2]))
     fresh = logic.join(m.JoinRequest("osc")).session_id  # the idle session makes room
-    assert set(logic.sessions.sessions) == {first[1], first[2], fresh}
+    assert set(logic.core.sessions.sessions) == {first[1], first[2], fresh}
     # A flood of joins under many site names: the table never grows past ps.max_sessions.
     refused = 0
     for i in range(2000):
@@ -145,10 +145,10 @@ def test_sessions_per_site_and_in_all_are_bounded_under_a_flood_of_joins() -> No
             logic.join(m.JoinRequest(f"flood-{i}"))
         except LimitError:
             refused += 1
-        assert len(logic.sessions.sessions) <= 20
+        assert len(logic.core.sessions.sessions) <= 20
         if i % 500 == 499:
-            clock.now += logic.sessions.idle_after + 1  # the flood's sessions go idle and are replaced
-    assert refused > 1900 and len(logic.sessions.sessions) == 20
+            clock.now += logic.core.sessions.idle_after + 1  # the flood's sessions go idle and are replaced
+    assert refused > 1900 and len(logic.core.sessions.sessions) == 20
 
 
 def test_rejoin_must_name_the_same_site() -> None:

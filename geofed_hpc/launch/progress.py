@@ -93,7 +93,7 @@ def _sites(names: Sequence[str], width: int) -> str:
 
 
 def ps_row(applied: Mapping[str, Any], val_loss: float | None = None) -> str:
-    """One line for one applied global version (a ps.state.AppliedVersion as a dict)."""
+    """One line for one applied global version (a ps.observe.AppliedVersion as a dict)."""
     cells = (
         str(applied["version"]),
         _sites(list(applied["sites"]), PS_COLUMNS[1][1]),

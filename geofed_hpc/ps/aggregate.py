@@ -5,17 +5,41 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
 from geofed_hpc.paradigms.exchange import Params
 
 
+@dataclass
+class WeightedSum:
+    """What a round of mean-folded deltas holds before its mean is taken: sum of weight*scale*delta, the summed
+    weights, sum of weight*steps and the count. Two of them add term by term (peers that each folded part of a
+    round), so the mean of the whole is taken once, at the end."""
+
+    total: Params
+    weight: float
+    weighted_steps: float
+    count: int
+
+    def mean(self) -> tuple[Params, float]:
+        """(weighted mean, FedNova's tau_eff); the sum's arrays are divided in place and handed over."""
+        if not self.weight > 0:
+            raise ValueError("no delta folded yet")
+        inv = np.float32(1.0 / self.weight)
+        for v in self.total.values():
+            v *= inv
+        return self.total, self.weighted_steps / self.weight
+
+
 class MeanAccumulator:
     """Fold weighted deltas into one running sum: memory is one model's worth, whatever the count.
 
-    fold(delta, weight, scale, steps) adds weight*scale*delta; take_mean() hands over sum / summed weights
-    and FedNova's effective step count (the weighted mean of the folded `steps`), and starts afresh.
+    fold(delta, weight, scale, steps) adds weight*scale*delta; take_sum() hands over the WeightedSum (before the
+    mean: what a peer group would reduce), take_mean() its mean and FedNova's effective step count (the weighted
+    mean of the folded `steps`); both start afresh. Not thread-safe: its owner (the open round) is called under
+    the coordinator's lock.
     """
 
     def __init__(self) -> None:
@@ -58,16 +82,17 @@ class MeanAccumulator:
         self.weighted_steps += weight * steps
         self.count += 1
 
-    def take_mean(self) -> tuple[Params, float]:
-        """(weighted mean of everything folded, FedNova's tau_eff); the sum is handed over, not copied."""
+    def take_sum(self) -> WeightedSum:
+        """Everything folded, before the mean; the sum is handed over, not copied."""
         if self._sum is None:
             raise ValueError("no delta folded yet")
-        inv = np.float32(1.0 / self.weight)
-        out, tau_eff = self._sum, self.weighted_steps / self.weight
-        for v in out.values():
-            v *= inv
+        out = WeightedSum(self._sum, self.weight, self.weighted_steps, self.count)
         self.reset()
-        return out, tau_eff
+        return out
+
+    def take_mean(self) -> tuple[Params, float]:
+        """(weighted mean of everything folded, FedNova's tau_eff); the sum is handed over, not copied."""
+        return self.take_sum().mean()
 
     def reset(self) -> None:
         self._sum, self.weight, self.weighted_steps, self.count = None, 0.0, 0.0, 0
@@ -83,7 +108,8 @@ def staleness_discount(staleness: int) -> float:
 class RelativeWork:
     """Async `ps.weighting=tokens`: a delta counts its tokens over the mean tokens of the last `window` deltas (its
     own included). Sites that trained more tokens in their interval count more, and the weights average 1, so the
-    step stays what `ps.global_lr` and the staleness discount make it. Soft state: a restarted PS starts afresh."""
+    step stays what `ps.global_lr` and the staleness discount make it. Soft state: a restarted PS starts afresh.
+    Not thread-safe: its owner (the async strategy) is called under the coordinator's lock."""
 
     def __init__(self, window: int = 16) -> None:
         if window < 1:
@@ -144,6 +170,7 @@ class OuterOptimizer:
 
     Deltas point from the base to the local model (the negative outer gradient), so Nesterov reads
     m <- mu*m + D; update = lr * (D + mu*m), torch's SGD(nesterov=True) with the sign flipped.
+    Not thread-safe: its owner (the GlobalModel) is called under the coordinator's lock.
     """
 
     KINDS = ("plain", "nesterov", "fednova")

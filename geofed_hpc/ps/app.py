@@ -51,7 +51,9 @@ def run_settings(cfg: RunConfig) -> m.RunSettings:
 
 
 class ParameterServer:
-    """Start with the constructor, stop with `stop()`; `port` is the bound port (ps.port=0 picks one)."""
+    """Start with the constructor, stop with `stop()`; `port` is the bound port (ps.port=0 picks one). Owns the
+    gRPC server, the round ticker thread and the metrics outputs; `logic` (ParameterServerLogic) holds the state.
+    Lock: none; `stop` acts once, and the ticker only calls `logic.tick` and reads the metrics."""
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
@@ -65,7 +67,7 @@ class ParameterServer:
             if cfg.ps.metrics_port > 0:
                 self.exporter = PrometheusExporter()
                 self.exporter.serve(cfg.ps.metrics_host or cfg.ps.host, cfg.ps.metrics_port)
-                self.logic.on_site_metrics = self.exporter.observe
+                self.logic.core.observer.on_site_metrics = self.exporter.observe
             self.recorder = self._recorder()
             self._served = start_server(self.logic, cfg.ps, self.exporter.rpc if self.exporter else None)
         except BaseException:

@@ -23,6 +23,8 @@ class Downlink:
     quantisation error e stays on the PS and joins the next update (error feedback), so nothing is lost.
 
     The last `keep` encoded updates live in `directory` (atomic files that survive a restart) or in memory.
+
+    Lock: none; not thread-safe. The GlobalModel owns it, under the coordinator's lock.
     """
 
     def __init__(self, cfg: CodecConfig, keep: int, directory: Path | None) -> None:

@@ -1,9 +1,4 @@
-"""The open round on disk: the verified bytes and header of each delta admitted to a round that is still open, so
-that a PS killed before the round closes gets that round back on restart (an accepted push is never lost).
-
-Only `sync` and `buffered` rounds stay open after a push; an `async` push closes its round at once and the
-snapshot written then holds it. Entries go when a snapshot holds their round (`clear`).
-"""
+"""The open round on disk: each admitted delta of a round still open, so a restarted PS gets the round back."""
 
 from __future__ import annotations
 
@@ -45,9 +40,17 @@ def sync_file(path: Path) -> None:
 
 
 class RoundJournal:
-    """`<name>.push` (the payload, moved from staging) and `<name>.json` (header, site, version) per delta in
+    """The verified bytes and header of each delta admitted to a round that is still open, so that a PS killed
+    before the round closes gets that round back on restart (an accepted push is never lost). Only strategies whose
+    rounds stay open after a push journal (`Strategy.stays_open`: sync, buffered); an async push closes its round
+    at once and the snapshot written then holds it. Entries go when a snapshot holds their round (`clear`).
+
+    `<name>.push` (the payload, moved from staging) and `<name>.json` (header, site, version) per delta in
     `directory`. The JSON is written last and atomically: an entry without it, or whose payload does not match
-    the checksum it names, is incomplete and removed."""
+    the checksum it names, is incomplete and removed.
+
+    Lock: none; not thread-safe. Persistence calls it, under the coordinator's lock.
+    """
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory

@@ -1,8 +1,9 @@
-"""PS snapshots (model, optimizer state, residual, version, sessions) and `ps up --init-from` files."""
+"""The state directory of a PS: snapshots (model, optimizer, residual, sessions), round journal, init files."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,9 +11,12 @@ from typing import Any
 import numpy as np
 
 from geofed_hpc.ckpt import CheckpointStore, load_tensors
-from geofed_hpc.errors import CheckpointError
+from geofed_hpc.errors import CheckpointError, GeofedError
+from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
 from geofed_hpc.ps.aggregate import Params
+from geofed_hpc.ps.journal import Entry, RoundJournal
+from geofed_hpc.rpc import messages as m
 
 FORMAT = 1
 _GROUPS = ("param", "momentum", "residual")
@@ -32,7 +36,8 @@ class PSState:
 
 
 class Snapshots:
-    """`global-{version}.gft` files in the state directory, written atomically; the newest two are kept."""
+    """`global-{version}.gft` files in the state directory, written atomically; the newest two are kept.
+    Lock: none; Persistence calls it, under the coordinator's lock."""
 
     def __init__(self, directory: Path, keep: int = 2) -> None:
         self.store = CheckpointStore(directory, prefix="global", keep=keep)
@@ -74,6 +79,107 @@ class Snapshots:
             dict(meta.get("settings", {})),
         )
         return state, path
+
+
+class Persistence:
+    """Owns the state directory (nothing at all without one): the snapshots of the whole PS, the journal of the
+    open round (ps/journal.py), and which version the newest written snapshot holds (`snapshot_version`).
+
+    Lock: none; not thread-safe. The coordinator's lock guards every call, so a snapshot sees one version's
+    model, sessions and push ids together, and a journaled delta is on disk before its push is answered.
+    """
+
+    def __init__(self, directory: Path | None, stamp: dict[str, str]) -> None:
+        self._snapshots = Snapshots(directory) if directory else None
+        self._journal = RoundJournal(directory / "round") if directory else None
+        self.stamp = stamp  # the settings each snapshot records; a snapshot of another "paradigm" is refused
+        self.snapshot_version = -1
+
+    @property
+    def enabled(self) -> bool:
+        """A state directory is set."""
+        return self._snapshots is not None
+
+    @property
+    def journals(self) -> bool:
+        """Deltas of an open round are journaled."""
+        return self._journal is not None
+
+    def load(self) -> tuple[PSState, Path] | None:
+        """The newest snapshot that loads (None: none, or no state directory); CheckpointError when it holds a
+        model of another paradigm than `stamp` says."""
+        loaded = self._snapshots.load() if self._snapshots is not None else None
+        if loaded is None:
+            return None
+        state, path = loaded
+        theirs, ours = state.settings.get("paradigm", "identity"), self.stamp.get("paradigm", "identity")
+        if theirs != ours:
+            raise CheckpointError(
+                f"the snapshot {path} holds a global model of paradigm {theirs}, this PS runs "
+                f"{ours}: start it with the snapshot's paradigm, or use another ps.state_dir"
+            )
+        self.snapshot_version = state.version
+        return loaded
+
+    def save(self, state: PSState) -> bool:
+        """Write a snapshot (stamped with `stamp`) atomically; a failure is logged, never fatal (the previous one
+        stays loadable)."""
+        if self._snapshots is None:
+            return False
+        state.settings = dict(self.stamp)
+        try:
+            path = self._snapshots.save(state)
+        except (OSError, CheckpointError) as exc:
+            logger.error("snapshot of version %d failed (the previous one stays loadable): %s", state.version, exc)
+            return False
+        self.snapshot_version = state.version
+        logger.debug("snapshot of version %d written to %s", state.version, path)
+        fault("ps.snapshot", str(state.version))
+        return True
+
+    def record(self, staged: Path, header: m.PushHeader, site: str, version: int) -> None:
+        """Journal a delta admitted to the round open at `version` (its staged payload, fsynced already)."""
+        if self._journal is None:
+            return
+        try:
+            self._journal.record(staged, header, site, version)
+        except OSError as exc:  # the delta is in the round already: it stays, only a crash before it closes loses it
+            logger.error(
+                "could not journal the push from %s (%s): a PS crash before the round closes loses it", site, exc
+            )
+
+    def replay(self, version: int | None, known: Callable[[str], bool], fold: Callable[[Entry], None]) -> int:
+        """After a restart: hand each journaled delta of the round open at `version` (None: no model) whose push is
+        not `known` to `fold`, oldest first. Entries of another round (a snapshot holds it already, or it is of
+        another model) and those `fold` refuses (GeofedError) are dropped. How many were folded."""
+        if self._journal is None:
+            return 0
+        replayed = 0
+        for entry in self._journal.entries():
+            if version is None or entry.version != version or known(entry.header.push_id):
+                self._journal.drop(entry)
+                continue
+            try:
+                fold(entry)
+            except GeofedError as exc:
+                logger.warning("journaled push from %s not replayed: %s", entry.site, exc)
+                self._journal.drop(entry)
+                continue
+            replayed += 1
+        if replayed:
+            logger.info("open round at version %s: %d journaled delta(s) replayed", version, replayed)
+        return replayed
+
+    def forget_rounds(self, version: int, open_deltas: int) -> None:
+        """No round is open (`open_deltas` 0): once a snapshot holds `version`, the journaled rounds are in it
+        (until then they stay, and a restart from the older snapshot replays the ones of its version)."""
+        if self._journal is not None and self.snapshot_version == version and not open_deltas:
+            self._journal.clear()
+
+    def clear_journal(self) -> None:
+        """A new model was seeded: no open round from before it."""
+        if self._journal is not None:
+            self._journal.clear()
 
 
 def load_init(path: Path) -> tuple[Params, int]:

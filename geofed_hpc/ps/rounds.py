@@ -11,16 +11,7 @@ import numpy as np
 
 from geofed_hpc.config import PSConfig
 from geofed_hpc.log import logger
-from geofed_hpc.ps.aggregate import (
-    MeanAccumulator,
-    Params,
-    RelativeWork,
-    buffer_full,
-    clip_scale,
-    global_norm,
-    robust_rule,
-    round_complete,
-)
+from geofed_hpc.ps.aggregate import MeanAccumulator, Params, WeightedSum, clip_scale, global_norm, robust_rule
 from geofed_hpc.ps.staging import Staging, read_rows
 
 # Robust rules read all spooled deltas coordinate slice by slice; one slice of all of them stays under this.
@@ -32,7 +23,7 @@ class Prepared:
     """A verified, decoded delta ready to join a round (already clipped, and divided by its steps for FedNova)."""
 
     session_id: str
-    weight: float
+    tokens: int
     steps: int
     norm: float
     arrays: Params | None = None
@@ -40,16 +31,28 @@ class Prepared:
 
 
 @dataclass
-class _Spooled:
+class Spooled:
+    """One delta of a robust round, on disk (float32, in the round's `spec` order), with its scale and steps."""
+
     path: Path
-    discount: float
+    scale: float
     steps: int
+
+
+@dataclass
+class RoundTotals:
+    """A closed round before its aggregate is taken: the weighted sum of mean rules, or the spooled deltas of a
+    robust rule (exactly one of the two), and how many deltas it holds."""
+
+    count: int
+    folded: WeightedSum | None = None
+    spooled: list[Spooled] = field(default_factory=list)
 
 
 @dataclass
 class _Open:
     acc: MeanAccumulator = field(default_factory=MeanAccumulator)
-    spooled: list[_Spooled] = field(default_factory=list)
+    spooled: list[Spooled] = field(default_factory=list)
     pushed: set[str] = field(default_factory=set)
     deadline: float | None = None
 
@@ -58,17 +61,21 @@ class _Open:
         return self.acc.count + len(self.spooled)
 
 
-class Rounds:
-    """When an update fires (sync: all active pushed or deadline; async: every delta; buffered: K or deadline)
-    and what it is (weighted mean, FedNova-normalised mean, trimmed mean or coordinate median)."""
+class OpenRound:
+    """The round now open: who pushed, its deadline (`ps.round_timeout` after its first delta), and its deltas,
+    folded (weighted mean, FedNova-normalised mean) or spooled (trimmed mean, coordinate median). Knows nothing of
+    the aggregation mode: a strategy (ps/strategy/) picks each delta's weight and scale and when the round closes.
+
+    Lock: none; not thread-safe. The coordinator's lock guards every call but `prepare` (which touches only the
+    delta it is given and `spec`, set while no push is being prepared).
+    """
 
     def __init__(self, cfg: PSConfig, staging: Staging, clock: Callable[[], float]) -> None:
         self.cfg = cfg
         self.staging = staging
         self._clock = clock
-        self.spec: dict[str, tuple[int, ...]] = {}
+        self.spec: dict[str, tuple[int, ...]] = {}  # what a delta carries, in spool order
         self._open = _Open()
-        self._work = RelativeWork()
 
     @property
     def count(self) -> int:
@@ -76,7 +83,13 @@ class Rounds:
 
     @property
     def pushed(self) -> set[str]:
+        """Sessions with a delta in the open round."""
         return self._open.pushed
+
+    @property
+    def deadline(self) -> float | None:
+        """When the open round's timeout passes (None: no delta yet)."""
+        return self._open.deadline
 
     @property
     def robust(self) -> bool:
@@ -91,25 +104,21 @@ class Rounds:
         if coef != 1.0:
             for v in delta.values():
                 v *= np.float32(coef)
-        weight = float(tokens) if self.cfg.weighting == "tokens" else 1.0
-        prepared = Prepared(session_id, weight, steps, norm)
+        prepared = Prepared(session_id, tokens, steps, norm)
         if self.robust:
             prepared.spool = self.staging.spool(delta, self.spec)
         else:
             prepared.arrays = delta
         return prepared
 
-    def admit(self, p: Prepared, discount: float) -> None:
-        """Add a prepared delta, scaled by its staleness discount (hold the PS lock). With async, each update is
-        one delta, so `ps.weighting=tokens` scales it by its tokens against recent deltas' (RelativeWork)."""
+    def admit(self, p: Prepared, weight: float, scale: float) -> None:
+        """Add a prepared delta as weight * scale * delta (robust rules: scale * delta; they are unweighted)."""
         r = self._open
-        if self.cfg.aggregation == "async" and self.cfg.weighting == "tokens":
-            discount *= self._work.weight(p.weight)
         if p.spool is not None:
-            r.spooled.append(_Spooled(p.spool, discount, p.steps))
+            r.spooled.append(Spooled(p.spool, scale, p.steps))
         else:
             assert p.arrays is not None
-            r.acc.fold(p.arrays, p.weight, discount, p.steps, consume=True)
+            r.acc.fold(p.arrays, weight, scale, p.steps, consume=True)
             p.arrays = None
         r.pushed.add(p.session_id)
         if r.deadline is None:
@@ -120,26 +129,30 @@ class Rounds:
             p.spool.unlink(missing_ok=True)
         p.arrays = None
 
-    def ready(self, active: set[str]) -> bool:
-        r = self._open
-        if self.cfg.aggregation == "async":
-            return r.count > 0
-        if self.cfg.aggregation == "buffered":
-            return buffer_full(r.count, self.cfg.buffer_size, self._clock(), r.deadline)
-        return round_complete(r.pushed, active, self._clock(), r.deadline)
+    def now(self) -> float:
+        """The round clock's reading (the one deadlines are set on)."""
+        return self._clock()
 
-    def close(self) -> tuple[Params, int]:
-        """The aggregated delta of the open round and how many deltas it holds; a new round opens."""
+    def take(self) -> RoundTotals:
+        """The open round's totals, before anything is divided (a new round opens)."""
         r, self._open = self._open, _Open()
         if r.spooled:
-            result = self._robust(r.spooled)
-            tau_eff = float(np.mean([s.steps for s in r.spooled]))
+            return RoundTotals(r.count, spooled=r.spooled)
+        return RoundTotals(r.count, folded=r.acc.take_sum())
+
+    def aggregate(self, totals: RoundTotals) -> Params:
+        """The round's aggregated delta: the robust rule over its spooled deltas or its weighted mean, times
+        FedNova's effective step count (the totals are consumed, spooled files removed)."""
+        if totals.spooled:
+            result = self._robust(totals.spooled)
+            tau_eff = float(np.mean([s.steps for s in totals.spooled]))
         else:
-            result, tau_eff = r.acc.take_mean()
+            assert totals.folded is not None
+            result, tau_eff = totals.folded.mean()
         if self.cfg.outer_optimizer == "fednova":
             for v in result.values():
                 v *= np.float32(tau_eff)
-        return result, r.count
+        return result
 
     def clear(self) -> None:
         """Drop the open round (its spooled files too)."""
@@ -147,13 +160,13 @@ class Rounds:
         for s in r.spooled:
             s.path.unlink(missing_ok=True)
 
-    def _robust(self, spooled: list[_Spooled]) -> Params:
+    def _robust(self, spooled: list[Spooled]) -> Params:
         """Apply the robust rule coordinate slice by slice: memory is one slice of every delta, not N models."""
         n_rows = len(spooled)
         width = max(1, ROBUST_SLICE_BYTES // (4 * n_rows))
         biggest = max((int(np.prod(s)) for s in self.spec.values()), default=1)
         buf = np.empty((n_rows, max(1, min(width, biggest))), np.float32)
-        discounts = np.array([[s.discount] for s in spooled], np.float32)
+        scales = np.array([[s.scale] for s in spooled], np.float32)
         fds = [os.open(s.path, os.O_RDONLY) for s in spooled]
         out: Params = {}
         try:
@@ -164,7 +177,7 @@ class Rounds:
                 for start in range(0, numel, buf.shape[1]):
                     rows = buf[:, : min(buf.shape[1], numel - start)]
                     read_rows(fds, offset + start, rows)
-                    rows *= discounts
+                    rows *= scales
                     res[start : start + rows.shape[1]] = robust_rule(self.cfg.robust, rows, self.cfg.trim_fraction)
                 out[name] = res.reshape(shape)
                 offset += numel

@@ -51,8 +51,9 @@ _PERSISTED = (
 
 class SessionTable:
     """Every session the PS knows, at most `max_sessions` (and `per_site` per site name): at a limit the least
-    recently seen inactive session makes room, and when all are active a new enrollment is refused. Not
-    thread-safe (the servicer holds its lock around every call)."""
+    recently seen inactive session makes room, and when all are active a new enrollment is refused.
+
+    Lock: none; not thread-safe. The coordinator's lock guards every call."""
 
     def __init__(
         self,
@@ -148,6 +149,36 @@ class SessionTable:
 
     def active(self) -> set[str]:
         return {sid for sid, s in self.sessions.items() if self.state(s) == "active"}
+
+    def rows(self, now: float) -> list[m.SiteStatus]:
+        """One status row per session (`now`: the table's clock reading)."""
+        return [
+            m.SiteStatus(
+                s.site,
+                sid,
+                s.pushes,
+                s.last_base_version,
+                now - s.last_seen,
+                s.tokens,
+                s.last_train_loss,
+                self.state(s),
+                now - s.last_push if s.last_push is not None else -1.0,
+                s.last_staleness,
+                s.bytes_received,
+                s.version,
+                s.refused,
+            )
+            for sid, s in self.sessions.items()
+        ]
+
+    def pushed(self, session: Session, header: m.PushHeader, staleness: int, nbytes: int) -> None:
+        """Count a push applied to the open round in its site's statistics."""
+        session.pushes += 1
+        session.tokens += header.tokens
+        session.last_base_version = header.base_version
+        session.last_train_loss = header.train_loss
+        session.last_push, session.last_staleness = self._clock(), staleness
+        session.bytes_received += nbytes
 
     def leave(self, session_id: str) -> None:
         session = self.get(session_id)

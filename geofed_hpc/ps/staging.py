@@ -1,4 +1,4 @@
-"""Disk staging: pushes land in files while their checksum is computed; robust rules spool float32 deltas."""
+"""Disk staging: pushes land in files while their checksum is computed, then decode; robust rules spool deltas."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
+from geofed_hpc import codec
+from geofed_hpc.errors import CodecError, ProtocolError
 from geofed_hpc.log import logger
+from geofed_hpc.paradigms.exchange import Params
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import Header, drain
 
@@ -24,6 +27,8 @@ class Staging:
 
     Receiving a push writes chunk by chunk to a file (memory stays one chunk per push, whatever the number
     of sites uploading at once); nothing is decoded or applied before the whole stream verified.
+
+    Lock: its own `_lock` guards the file-name counter; each file belongs to the one stream or delta that made it.
     """
 
     def __init__(self, directory: str | Path | None) -> None:
@@ -85,3 +90,14 @@ def read_rows(fds: list[int], offset: int, out: np.ndarray) -> None:
             if read == 0:
                 raise OSError(f"spooled delta {i} ended early at element {offset + got // 4}")
             got += read
+
+
+def decode_push(payload: bytes, header: m.PushHeader, expected: dict | None) -> Params:
+    """Decode a verified payload (`expected`: name -> (shape, dtype) it must hold); its bytes arrived intact, so
+    any fault is in what the site sent: ProtocolError."""
+    try:
+        if codec.codec_name(payload) != header.codec:
+            raise ProtocolError(f"header says codec {header.codec!r}, payload is {codec.codec_name(payload)!r}")
+        return codec.decode(payload, expected=expected)
+    except CodecError as exc:
+        raise ProtocolError(f"delta refused: {exc}") from None

@@ -85,7 +85,10 @@ def _records(path: Path) -> list[TokenRecord]:
 
 
 class TokenFile:
-    """The token records of one PS; each change is a locked read-modify-write, replaced atomically, mode 0600."""
+    """The token records of one PS; each change is a locked read-modify-write, replaced atomically, mode 0600.
+
+    Lock: an exclusive flock on a lock file beside it (`_locked`), so `token issue` and `token revoke` may run
+    beside a running PS."""
 
     def __init__(self, path: Path, clock: Callable[[], float] = time.time) -> None:
         self.path = Path(path)
@@ -154,7 +157,9 @@ def token_table(records: list[TokenRecord], now: float | None = None) -> str:
 
 class TokenVerifier:
     """Checks Join tokens for the running PS: `ps.enroll_token` (one for all sites) and the issued tokens of the
-    token file, which is read again whenever it changes on disk (issue and revoke need no restart)."""
+    token file, which is read again whenever it changes on disk (issue and revoke need no restart).
+
+    Lock: none; not thread-safe. It is called through the SessionTable, under the coordinator's lock."""
 
     def __init__(self, path: Path | None, shared: str = "", clock: Callable[[], float] = time.time) -> None:
         self.path = path

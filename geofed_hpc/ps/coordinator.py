@@ -1,0 +1,339 @@
+"""The PS's coordinator: composes its parts and owns the one lock every transition between versions takes."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+from geofed_hpc.config import PSConfig
+from geofed_hpc.errors import GeofedError, ProtocolError, StaleError
+from geofed_hpc.faults import fault
+from geofed_hpc.log import logger
+from geofed_hpc.paradigms.exchange import Exchange
+from geofed_hpc.ps.aggregate import Params
+from geofed_hpc.ps.journal import Entry
+from geofed_hpc.ps.ledger import PushLedger, resent
+from geofed_hpc.ps.model import GlobalModel
+from geofed_hpc.ps.observe import Contribution, Observer
+from geofed_hpc.ps.persist import Persistence, load_init
+from geofed_hpc.ps.rounds import Prepared
+from geofed_hpc.ps.sessions import Session, SessionTable
+from geofed_hpc.ps.staging import Staging, decode_push
+from geofed_hpc.ps.strategy import strategy_for
+from geofed_hpc.ps.tokens import TokenVerifier, tokens_path
+from geofed_hpc.rpc import messages as m
+
+
+class Coordinator:
+    """Composes a parameter server's parts and carries out every change of its state: the model (`model`, a
+    GlobalModel), the sessions (`sessions`), the push ids (`ledger`, a PushLedger), the aggregation mode with its
+    open round (`strategy`, picked once by strategy_for), the state directory (`persistence`) and what the PS shows
+    (`observer`). No RPC here: ParameterServerLogic (servicer.py) turns requests into these calls.
+
+    Lock: `_cond` (a Condition) guards model, sessions, strategy, persistence and `_closing`, none of which has a
+    lock of its own; every public method holds it for its whole transition, so a push is admitted, counted,
+    remembered, maybe aggregated, snapshotted and journaled as one step. Long-polls wait on it for a newer version.
+    The ledger's and the observer's own locks nest inside it (never the other way round); what waits on the
+    ledger (a resent push for its first stream, `finish` for pushes in flight) waits without it.
+    """
+
+    def __init__(
+        self,
+        cfg: PSConfig,
+        settings: m.RunSettings,
+        staging: Staging,
+        clock: Callable[[], float] = time.monotonic,
+        exchange: Exchange | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.settings = settings
+        exchange = exchange or Exchange()  # the paradigm: what a delta carries, how an update lands on the model
+        settings.paradigm = exchange.describe()
+        settings.aggregation = cfg.aggregation
+        self._clock = clock
+        self._started = clock()
+        self._cond = threading.Condition()
+        self._closing = False
+        state = Path(cfg.state_dir).expanduser() if cfg.state_dir else None
+        tokens = TokenVerifier(tokens_path(cfg.state_dir) if cfg.state_dir else None, cfg.enroll_token)
+        idle_after = 3 * cfg.round_timeout.total_seconds()
+        self.sessions = SessionTable(tokens, clock, idle_after, cfg.max_sessions, cfg.max_sessions_per_site)
+        self.model = GlobalModel(cfg, settings, exchange, state / "updates" if state else None)
+        self.strategy = strategy_for(cfg, staging, clock)
+        self.ledger = PushLedger()
+        stamp = {"aggregation": cfg.aggregation, "outer_optimizer": cfg.outer_optimizer, "paradigm": settings.paradigm}
+        self.persistence = Persistence(state, stamp)
+        self.observer = Observer()
+        self._restore()
+        if cfg.init_from:
+            self._init_from(Path(cfg.init_from))
+        self.persistence.replay(
+            self.model.version if self.model.initialized else None, self.ledger.knows, self._replay_journaled
+        )
+
+    @property
+    def journals(self) -> bool:
+        """An admitted delta may be journaled (so its staged payload must be on disk before it is handed over)."""
+        return self.persistence.journals and self.strategy.stays_open
+
+    # ---------------------------------------------------------------- sessions, heartbeats, status
+    def join(self, request: m.JoinRequest) -> m.JoinReply:
+        with self._cond:
+            session_id, rejoin = self.sessions.join(request)
+            version, initialized = self.model.version, self.model.initialized
+            logger.info("site %s joined (session %s..., version %d)", request.site, session_id[:8], version)
+            return m.JoinReply(session_id, rejoin, version, initialized, self.settings)
+
+    def heartbeat(self, request: m.HeartbeatRequest) -> m.HeartbeatReply:
+        with self._cond:
+            session = self.sessions.get(request.session_id)
+            if request.val_loss > 0 and math.isfinite(request.val_loss):
+                self.observer.val_loss(session.site, request.version, request.val_loss)
+                metrics = {"val/loss": request.val_loss, "sync/version": request.version}
+                self.observer.site_metrics(session.site, metrics)
+            if request.leaving:
+                self.sessions.leave(request.session_id)
+            self._maybe_close()
+            sync_now = self.strategy.sync_now(request.session_id)
+            return m.HeartbeatReply(self.model.version, sync_now=sync_now, push=self.ledger.state(request.push_id))
+
+    def status(self) -> m.StatusReply:
+        with self._cond:
+            now = self._clock()
+            return m.StatusReply(
+                self.model.version,
+                self.model.initialized,
+                self.cfg.aggregation,
+                self.model.size,
+                now - self._started,
+                self.sessions.rows(now),
+                self.strategy.count,
+                self.cfg.outer_optimizer,
+                self.cfg.robust,
+                len(self.sessions.active()),
+                self.persistence.snapshot_version,
+                len(self.model.downlink.versions()),
+                self.ledger.in_flight,
+            )
+
+    def wait_model(self, request: m.ModelRequest, deadline: float) -> tuple[m.ModelHeader, bytes]:
+        """The model (or the updates since the site's version) once it reaches `request.min_version`, or at
+        `deadline` (time.monotonic) or shutdown with what there is."""
+        with self._cond:
+            session = self.sessions.get(request.session_id)
+            while not self._closing and not (self.model.initialized and self.model.version >= request.min_version):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(timeout=min(left, 1.0))
+                self.sessions.get(request.session_id)
+                self._maybe_close()
+            if not self.model.initialized:
+                raise StaleError("the global model is not initialized yet: push an init first")
+            header, payload = self.model.payload(request)
+            session.version = header.version
+            return header, payload
+
+    # ---------------------------------------------------------------- pushes
+    def begin_push(self, header: m.PushHeader) -> tuple[Session, m.PushReply | None]:
+        """Check a push header before its payload is read: the pushing session, and the answer when the push was
+        handled already (waiting while the same push is still in flight). Otherwise the push is in flight from
+        here until `end_push`."""
+        with self._cond:
+            session = self.sessions.get(header.session_id)
+        if not header.push_id:
+            raise ProtocolError("push header has no push_id: set one so a retransmission is recognised")
+        previous = self.ledger.claim(header.push_id, self.cfg.rpc_timeout)
+        with self._cond:
+            if previous is not None:
+                logger.info("site %s resent push %s; not applied twice", session.site, header.push_id[:8])
+                return session, resent(header.push_id, previous, self.model.version)
+            try:
+                self._precheck(header)
+            except BaseException as exc:
+                session.refused += int(isinstance(exc, GeofedError))
+                self.ledger.release(header.push_id)
+                raise
+        return session, None
+
+    def end_push(self, session: Session, push_id: str, refused: bool) -> None:
+        """The push is answered (`refused`: with an error of the site's making)."""
+        with self._cond:
+            session.refused += int(refused)
+        self.ledger.release(push_id)
+
+    def _precheck(self, h: m.PushHeader) -> None:
+        """Refuse what the header alone shows to be wrong, before any payload byte is read."""
+        if h.local_steps < 0 or h.tokens < 0:
+            raise ProtocolError(f"local_steps ({h.local_steps}) and tokens ({h.tokens}) cannot be negative")
+        if h.init:
+            return
+        if not self.model.initialized:
+            raise StaleError("the global model is not initialized yet: push an init first")
+        self.strategy.check(h, self.model.version)
+
+    def seed_from(self, session: Session, header: m.PushHeader, params: Params) -> m.PushReply:
+        """An init push: `params` become the global model unless there is one."""
+        with self._cond:
+            if self.model.initialized:
+                reason = f"already initialized at version {self.model.version}: pull the global model"
+                return self.ledger.remember(header.push_id, m.PushReply(False, self.model.version, reason))
+            self._seed(params, max(0, header.base_version), f"site {session.site}")
+            return self.ledger.remember(header.push_id, m.PushReply(True, self.model.version))
+
+    def admit(
+        self, session: Session, header: m.PushHeader, delta: Params, nbytes: int, staged: Path | None
+    ) -> m.PushReply:
+        """Fold a verified, decoded delta into the open round and answer its push. `staged`: its payload file,
+        journaled while its round stays open (the reply "accepted" comes after that, so a PS killed later still
+        has it on restart)."""
+        prepared = self._prepare(header, delta)
+        with self._cond:
+            # Remembered before the round may close: a snapshot written then must know this push was applied,
+            # or its retransmission after a restart from that snapshot would be applied a second time.
+            staleness = self._fold(prepared, header, session.site, session, nbytes)
+            self.observer.pushed(session.site, header, staleness, nbytes, session.tokens)
+            open_at = self.model.version
+            self._maybe_close()
+            if staged is not None and self.strategy.must_journal(closed=self.model.version != open_at):
+                self.persistence.record(staged, header, session.site, self.model.version)
+            logger.info(
+                "push from %s (base %d, staleness %d, norm %.3g, %d bytes) accepted; version %d",
+                session.site,
+                header.base_version,
+                staleness,
+                prepared.norm,
+                nbytes,
+                self.model.version,
+            )
+            return self.ledger.remember(header.push_id, m.PushReply(True, self.model.version, "", staleness))
+
+    def _prepare(self, header: m.PushHeader, delta: Params) -> Prepared:
+        """Check and prepare (clip, normalise, spool) a delta; nothing is folded yet."""
+        with self._cond:
+            self.model.check(delta)  # before folding: it cannot be undone
+        return self.strategy.prepare(delta, header.session_id, header.local_steps, header.tokens)
+
+    def _fold(self, prepared: Prepared, header: m.PushHeader, site: str, session: Session | None, nbytes: int) -> int:
+        """Fold a prepared delta into the open round, count it, remember its push as applied; its staleness (hold
+        the lock)."""
+        staleness = self.strategy.admit(prepared, header.base_version, self.model.version)
+        self.observer.contributed(Contribution(site, staleness, header.tokens, nbytes))
+        if session is not None:
+            self.sessions.pushed(session, header, staleness, nbytes)
+            self.observer.received(nbytes)
+        self.ledger.remember(header.push_id, m.PushReply(True, self.model.version, "", staleness))
+        return staleness
+
+    # ---------------------------------------------------------------- versions
+    def _maybe_close(self) -> None:
+        if self.model.initialized and self.strategy.ready(self.sessions.active()):
+            self._close_round("ready")
+
+    def _close_round(self, why: str) -> None:
+        """Aggregate the open round, step the outer optimizer, publish and apply the update (hold the lock)."""
+        version = self.model.version
+        try:
+            totals = self.strategy.take()  # (sum, weight, count) before the mean: what a peer group would reduce
+            published = self.model.publish(self.strategy.aggregate(totals))
+        except (GeofedError, ValueError) as exc:
+            logger.error("round at version %d discarded: %s", version, exc)
+            self.observer.round_dropped()
+            self.persistence.forget_rounds(version, self.strategy.count)
+            return
+        fault("ps.aggregate", str(version))
+        self.model.apply(published)
+        self.observer.applied(self.model.version, len(self.sessions.active()), why)
+        if self.model.version % self.cfg.snapshot_every == 0:
+            self._snapshot()
+        self.persistence.forget_rounds(self.model.version, self.strategy.count)
+        self._cond.notify_all()
+        logger.info("update from %d deltas (%s) -> version %d", totals.count, why, self.model.version)
+
+    def _adopted(self) -> None:
+        """A model was adopted: no open round from before it."""
+        self.strategy.reset(self.model.delta_shapes())
+        self.observer.round_dropped()
+
+    def _seed(self, params: Params, version: int, source: str) -> None:
+        """Adopt `params` as a fresh global model at `version`, with no history (hold the lock)."""
+        self.model.seed(params, version, source)
+        self._adopted()
+        self.persistence.clear_journal()
+        self._snapshot()
+        self._cond.notify_all()
+
+    def _snapshot(self) -> None:
+        """Write the whole PS state (hold the lock); a failure is logged, never fatal."""
+        if not self.persistence.enabled or not self.model.initialized:
+            return
+        state = self.model.state()
+        state.sessions, state.push_ids = self.sessions.to_json(), self.ledger.to_json()
+        self.persistence.save(state)
+
+    # ---------------------------------------------------------------- start
+    def _restore(self) -> None:
+        loaded = self.persistence.load()
+        if loaded is None:
+            return
+        state, path = loaded
+        self.model.restore(state, path)
+        self._adopted()
+        self.sessions.load_json(state.sessions)
+        self.ledger.load_json(state.push_ids)
+
+    def _init_from(self, path: Path) -> None:
+        if self.model.initialized:
+            logger.warning(
+                "ps.init_from=%s ignored: the state directory already holds version %d", path, self.model.version
+            )
+            return
+        params, version = load_init(path)
+        with self._cond:
+            self._seed(params, version, f"file {path}")
+
+    def _replay_journaled(self, entry: Entry) -> None:
+        """Fold a journaled delta of the open round in again after a restart (its push remembered as applied, so a
+        site's retransmission is answered as a duplicate)."""
+        h = entry.header
+        prepared = self._prepare(h, decode_push(entry.payload, h, self.model.spec))
+        with self._cond:
+            self._fold(prepared, h, entry.site, self.sessions.sessions.get(h.session_id), len(entry.payload))
+
+    # ---------------------------------------------------------------- lifecycle, views
+    def tick(self) -> None:
+        """Close a round whose deadline passed; called periodically by the server loop."""
+        with self._cond:
+            self._maybe_close()
+
+    def begin_shutdown(self) -> None:
+        """Stop long-polls from waiting (they answer with what they have); pushes in flight go on."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+
+    def finish(self, wait: timedelta = timedelta(seconds=10)) -> None:
+        """After the server stopped: wait for pushes still applying, apply the open round, snapshot."""
+        self.begin_shutdown()
+        self.ledger.wait_idle(wait)
+        with self._cond:
+            if self.model.initialized and self.strategy.count:
+                self._close_round("shutdown: applying the open round early")
+            self._snapshot()
+            self.persistence.forget_rounds(self.model.version, self.strategy.count)
+            self.strategy.clear()
+
+    def ps_metrics(self) -> dict[str, float | int]:
+        """The ps/* metric values now (the global validation loss once a site reported it for this version)."""
+        with self._cond:
+            version, active = self.model.version, len(self.sessions.active())
+        return self.observer.values(version, active)
+
+    def model_hash(self) -> str:
+        """sha256 over the global model's names and bytes (tests compare it before and after bad input)."""
+        with self._cond:
+            return self.model.hash()

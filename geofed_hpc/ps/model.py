@@ -1,0 +1,167 @@
+"""The global model and its version: params, the outer optimizer, the downlink, and what pulls are served."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from geofed_hpc import codec
+from geofed_hpc.config import CodecConfig, PSConfig
+from geofed_hpc.log import logger
+from geofed_hpc.paradigms.exchange import Exchange
+from geofed_hpc.ps.aggregate import OuterOptimizer, Params, add_update
+from geofed_hpc.ps.downlink import Downlink
+from geofed_hpc.ps.persist import PSState
+from geofed_hpc.rpc import messages as m
+from geofed_hpc.rpc.stream import digest
+
+CHAIN_CACHE = 4  # update chains kept ready per version (sites at different versions ask for different ones)
+
+
+class GlobalModel:
+    """Owns the global model and the transitions between its versions: `params` and `version`, their shapes and the
+    wire spec of a delta (through the paradigm's `exchange`), the outer optimizer that turns an aggregated delta
+    into an update, the downlink that publishes each update (encoded once, kept for update chains), and the
+    encoded model and update chains served to pulls (cached per version).
+
+    Lock: none; not thread-safe. The coordinator's lock guards every call (`spec` may be read without it: it
+    changes only when a model is adopted, before any delta can be checked against it).
+    """
+
+    def __init__(self, cfg: PSConfig, settings: m.RunSettings, exchange: Exchange, updates: Path | None) -> None:
+        self.exchange = exchange
+        self.params: Params | None = None
+        self.version = 0
+        self._shapes: dict[str, tuple[int, ...]] = {}  # the global model's
+        self._spec: dict[str, tuple[tuple[int, ...], str]] = {}  # what a delta carries
+        self.outer = OuterOptimizer(cfg.outer_optimizer, cfg.global_lr, cfg.momentum)
+        run_codec = settings.codec if settings.codec != "adaptive" else "int8"  # adaptive varies per push
+        down = CodecConfig(name=cfg.downlink_codec or run_codec, block_size=settings.block_size)
+        self.downlink = Downlink(down, cfg.downlink_history, updates)
+        self._model_cache: tuple[int, bytes, bytes] | None = None
+        self._chain_cache: OrderedDict[int, tuple[bytes, bytes, list[int]]] = OrderedDict()
+
+    @property
+    def initialized(self) -> bool:
+        return self.params is not None
+
+    @property
+    def spec(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """What a delta carries: name -> (shape, dtype), as codec.decode expects it."""
+        return self._spec
+
+    def delta_shapes(self) -> dict[str, tuple[int, ...]]:
+        """What a delta carries: name -> shape, in wire order."""
+        return {k: s for k, (s, _) in self._spec.items()}
+
+    @property
+    def size(self) -> int:
+        """How many values the global model holds (0 before it is initialized)."""
+        return sum(int(v.size) for v in self.params.values()) if self.params else 0
+
+    # ---------------------------------------------------------------- versions
+    def adopt(self, params: Params, version: int) -> None:
+        """Take `params` as the model at `version` (its optimizer state and downlink history stay)."""
+        self.params = params
+        self._shapes = {k: tuple(v.shape) for k, v in params.items()}
+        self._spec = {k: (s, "float32") for k, s in self.exchange.wire_spec(self._shapes).items()}
+        self.version = version
+        self._new_version()
+
+    def seed(self, params: Params, version: int, source: str) -> None:
+        """Adopt `params` (from `source`) as a fresh global model at `version`, with no history (momentum,
+        downlink)."""
+        self.adopt(params, version)
+        self.outer.load_state({})
+        self.downlink.reset()
+        if version > 0 and source.startswith("site"):
+            logger.warning("global model re-seeded at version %d by %s (the PS had no state)", version, source)
+        else:
+            logger.info("global model initialized at version %d by %s: %d tensors", version, source, len(params))
+
+    def restore(self, state: PSState, path: Path) -> None:
+        """Adopt a snapshot's model (read from `path`), its momentum (when it used this outer optimizer) and
+        downlink residual; drop kept downlink updates newer than it."""
+        self.adopt(state.params, state.version)
+        previous = state.settings.get("outer_optimizer")
+        if previous == self.outer.kind:
+            self.outer.load_state(state.momentum)
+        elif state.momentum:
+            logger.warning("snapshot used outer optimizer %s; its momentum is dropped", previous)
+        self.downlink.residual = state.residual
+        dropped = self.downlink.truncate(state.version)
+        logger.info(
+            "restored global model version %d (%d tensors, %d sessions) from %s%s",
+            state.version,
+            len(state.params),
+            len(state.sessions),
+            path,
+            f"; dropped {dropped} downlink updates newer than it" if dropped else "",
+        )
+
+    def state(self) -> PSState:
+        """What a snapshot holds of the model: version, params, momentum and downlink residual (not copied)."""
+        assert self.params is not None
+        return PSState(self.version, self.params, self.outer.state(), self.downlink.residual)
+
+    def check(self, delta: Params) -> None:
+        """Refuse a decoded delta that does not fit this model (before folding: it cannot be undone)."""
+        self.exchange.check(delta, self.version, self._shapes)
+
+    def publish(self, delta: Params) -> Params:
+        """The update for an aggregated `delta` (consumed): outer optimizer step, published on the downlink as
+        the update from this version; returns exactly what every replica adds. The model is not touched yet."""
+        return self.downlink.publish(self.version, self.outer.step(delta))
+
+    def apply(self, published: Params) -> None:
+        """Add a published update (see `publish`): the model moves to the next version."""
+        assert self.params is not None
+        add_update(self.params, self.exchange.expand(published, self.version, self._shapes))
+        self.version += 1
+        self._new_version()
+
+    def _new_version(self) -> None:
+        self._model_cache = None
+        self._chain_cache.clear()
+
+    # ---------------------------------------------------------------- pulls
+    def payload(self, request: m.ModelRequest) -> tuple[m.ModelHeader, bytes]:
+        """The updates since the site's version when they are kept and smaller than the model; else the model."""
+        assert self.params is not None
+        since, now = request.have_version, self.version
+        if request.want_updates and 0 <= since <= now:
+            cached = self._chain_cache.get(since)
+            if cached is None:
+                full = sum(4 * int(v.size) for v in self.params.values())
+                segments = self.downlink.chain(since, now, full)
+                if segments is not None:
+                    payload = b"".join(segments)
+                    cached = self._chain_cache[since] = (payload, digest(payload), [len(s) for s in segments])
+                    while len(self._chain_cache) > CHAIN_CACHE:  # each is at most a model's worth of bytes
+                        self._chain_cache.popitem(last=False)
+            if cached is not None:
+                payload, sha, sizes = cached
+                header = m.ModelHeader(now, self.downlink.cfg.name, len(payload), sha, "updates", since, sizes)
+                return header, payload
+        if request.want_updates and since > now:
+            logger.warning("a site holds version %d, newer than the global %d: sending the full model", since, now)
+        if self._model_cache is None or self._model_cache[0] != now:
+            payload = codec.encode(self.params, CodecConfig(name="fp32"))
+            self._model_cache = (now, payload, digest(payload))
+        _, payload, sha = self._model_cache
+        return m.ModelHeader(now, "fp32", len(payload), sha, "full", now), payload
+
+    def cached_chains(self) -> list[int]:
+        """The versions whose update chain is encoded and ready, oldest first."""
+        return list(self._chain_cache)
+
+    def hash(self) -> str:
+        """sha256 over the model's names and bytes."""
+        h = hashlib.sha256()
+        for k in sorted(self.params or {}):
+            h.update(k.encode())
+            h.update(np.ascontiguousarray(self.params[k]).tobytes())  # type: ignore[index]
+        return h.hexdigest()
