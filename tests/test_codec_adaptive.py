@@ -106,30 +106,31 @@ def test_a_site_switches_codec_when_its_uplink_is_throttled(tmp_path: Path, capl
     used = []
     try:
         trainer = SiteTrainer(cfg, 0, server.address)
+        sync, model = trainer.sync, trainer.runtime.model
         with ThrottledClient(cfg.ps, server.address) as client, caplog.at_level("INFO", logger="geofed_hpc"):
+            sync.link.client = client
             client.connect()
-            trainer.session = trainer._join(client, None)
-            settings = trainer.session.settings
+            settings = sync.link.join().settings
             assert settings.codec == "adaptive"
-            trainer._seed(client, 0)
-            trainer._pull(client, 0, timedelta(0))
-            numel = sum(p.numel() for p in trainer.model.parameters())
+            sync.link.seed(sync.replica.seed_arrays(), 0)
+            sync.pull(0, timedelta(0))
+            numel = sum(p.numel() for p in model.parameters())
             for push in range(5):
                 if push == 3:
                     client.rate = 1.0 * numel  # a byte per parameter per second: fp32 takes 4 s, over budget
                 with torch.no_grad():
-                    for p in trainer.model.parameters():
+                    for p in model.parameters():
                         p.add_(torch.randn_like(p) * 1e-3)
-                version = trainer.version
-                trainer._push(client, settings, 1, 1.0)
-                used.append(trainer._codec_state()[1].current)
-                trainer._pull(client, version + 1, timedelta(seconds=30))
-                assert trainer.version == version + 1  # the PS decoded and applied every codec
+                version = sync.version
+                sync.push(1, 1.0)
+                used.append(sync.uplink.link.current)
+                sync.pull(version + 1, timedelta(seconds=30))
+                assert sync.version == version + 1  # the PS decoded and applied every codec
     finally:
         server.stop()
     # the probe, then up as larger pushes measure the fast loopback link (small ones are latency-bound)
     assert used[0] == "int4" and used[2] == "fp32"
     assert used[3] == "fp32" and used[4] in ("int16", "bf16", "int8", "int4")  # fp32 now needs 4 s > 3 s
     assert "codec fp32 -> " + used[4] in caplog.text and "measured push rate" in caplog.text
-    residual = trainer._codec_state()[0].residual
+    residual = trainer.sync.uplink.feedback.residual
     assert residual and all(np.isfinite(r).all() for r in residual.values())

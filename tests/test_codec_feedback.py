@@ -87,12 +87,13 @@ def test_site_checkpoint_keeps_the_residual_across_a_requeue(tmp_path: Path) -> 
     cfg = compose_config([*overrides, f"run_dir={tmp_path}", "site.num_sites=1"])[0]
     first = SiteTrainer(cfg, 0, "127.0.0.1:1")
     rng = np.random.default_rng(0)
-    residual = {n: rng.standard_normal(p.shape).astype(np.float32) for n, p in first.model.named_parameters()}
-    first._codec_state()[0].commit(residual)
-    first._save()
+    model = first.runtime.model
+    residual = {n: rng.standard_normal(p.shape).astype(np.float32) for n, p in model.named_parameters()}
+    first.sync.uplink.feedback.commit(residual)
+    first.ckpt.save()
     again = SiteTrainer(cfg, 0, "127.0.0.1:1")
-    assert again._load() is not None
-    restored = again._codec_state()[0].residual
+    assert again.ckpt.load() is not None
+    restored = again.sync.uplink.feedback.residual
     assert sorted(restored) == sorted(residual)
     for name, r in residual.items():
         np.testing.assert_array_equal(restored[name], r)

@@ -241,7 +241,8 @@ def test_site_reseeds_a_ps_that_lost_everything_and_keeps_a_bit_identical_copy(t
         trainer = SiteTrainer(config(2), 0, first.address)
         assert trainer.run()["version"] == 2
         assert first.logic.core.model.cached_chains()  # the site pulled encoded updates, not the model
-        assert all(trainer.base[k].tobytes() == first.logic.core.model.params[k].tobytes() for k in trainer.base)
+        base = trainer.sync.replica.base
+        assert all(base[k].tobytes() == first.logic.core.model.params[k].tobytes() for k in base)
     finally:
         first.stop()
     empty = ParameterServer(config(3))  # no state_dir: the PS lost everything

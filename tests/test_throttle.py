@@ -98,5 +98,5 @@ def test_the_site_step_loop_sleeps_after_every_real_step(tmp_path: Path) -> None
     settings = m.RunSettings(codec="int8", sync_interval_s=0.0, max_local_steps=5)
     steps, loss = trainer._train_interval(settings)
     assert steps == 5 and loss > 0
-    assert trainer.sampler.draws == 5
+    assert trainer.runtime.sampler.draws == 5
     assert t.sleeps == pytest.approx([3 * 0.5] * 5)  # each step "took" 0.5 s on the fake clock
