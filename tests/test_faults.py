@@ -30,7 +30,7 @@ from tests.conftest import ps_config, small_params
 from tests.dist_util import free_port
 from tests.site_procs import Site, events, wait_for
 from tests.test_ps_logic import expect, full, init, joined, make, push
-from tests.test_site_client import latest, make_ps, metrics, run_site, shards, site_cfg
+from tests.test_site_client import BATCH, MODEL, latest, make_ps, metrics, run_site, shards, site_cfg
 
 __all__ = ["shards"]  # the module-scoped token shards fixture, shared with test_site_client
 FP32 = CodecConfig(name="fp32")
@@ -92,10 +92,11 @@ def ones_payload(params: dict) -> bytes:
 
 # (fault plan, the version the restarted PS comes back at, whether resending the cut push is a duplicate)
 PS_KILLS = {
-    # killed after push 2's delta was summed, before it was applied: the snapshot of version 1 is the latest
-    "mid-aggregation": ("ps.aggregate@2=kill", 1, False),
-    # killed while writing the snapshot of version 2 (temp file written, not renamed): version 1 again
-    "mid-snapshot": ("atomic.write[global]@3=kill", 1, False),
+    # killed after push 2's delta was journaled and summed, before it was applied: the snapshot of version 1 and
+    # the journal replayed after it bring the PS back to version 2, so the resend is a duplicate
+    "mid-aggregation": ("ps.aggregate@2=kill", 2, True),
+    # killed while writing the snapshot of version 2 (temp file written, not renamed): version 1 and the journal
+    "mid-snapshot": ("atomic.write[global]@3=kill", 2, True),
     # killed after the snapshot of version 2 was written, before push 2 was answered: it is remembered there
     "after-snapshot": ("ps.snapshot@3=kill", 2, True),
 }
@@ -342,30 +343,39 @@ def test_partition_between_a_site_and_the_ps_heals_and_every_delta_lands_once(tm
 
 
 @pytest.mark.slow
-def test_full_disk_during_a_site_checkpoint_then_a_restart_continues_the_federation(
-    tmp_path: Path, shards: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("action", ["enospc", "kill"])
+def test_a_site_stopped_between_its_push_and_the_checkpoint_after_it_trains_no_batch_twice(
+    tmp_path: Path, shards: Path, monkeypatch: pytest.MonkeyPatch, action: str
 ) -> None:
+    """The checkpoint after sync 2 fails (a full disk) or the job is SIGKILLed while writing it: sync 2's delta is
+    applied already. The restart finds its push recorded (push.json), learns from the PS that it went in, and skips
+    its batches: 3 pushes and 9 draws' tokens for 3 syncs, not a fourth push of batches trained twice."""
     ps = make_ps(tmp_path, aggregation="async")
     try:
-        monkeypatch.setenv(faults.ENV, "atomic.write[site-]@2=enospc")  # the checkpoint after sync 2
+        monkeypatch.setenv(faults.ENV, f"atomic.write[site-]@2={action}")  # the checkpoint after sync 2
         site = Site(site_cfg(tmp_path, shards, max_syncs=3), tmp_path, ps.address)
         try:
             codes = site.wait(timeout=600)
         finally:
             site.close()
         # The job fails (Slurm requeues it); sync 2's delta is already applied, once.
-        assert codes == [1] and "No space left on device" in site.output()
+        assert codes == ([1] if action == "enospc" else [-9]), site.output()
+        assert action == "kill" or "No space left on device" in site.output()
         assert ps.logic.version == 2 and site_pushes(ps) == 2
-        ckpt = tmp_path / "run" / "sites" / "local-0" / "ckpt"
-        assert not [p for p in ckpt.iterdir() if TEMP_MARKER in p.name]  # no torn file left behind
         monkeypatch.delenv(faults.ENV)
         run_site(tmp_path, shards, ps, max_syncs=3)  # resumes from sync 1's checkpoint and the global model
-        assert ps.logic.version == 4 and site_pushes(ps) == 4
+        assert ps.logic.version == 3 and site_pushes(ps) == 3
+        (status,) = [s for s in ps.logic.status(m.StatusRequest()).sites if s.site == "local-0"]
+        assert status.tokens == 9 * BATCH * MODEL.context  # 3 syncs of 3 steps: no batch pushed twice
     finally:
         ps.stop()
-    assert synced(tmp_path) == [(1, 1), (2, 2), (2, 3), (3, 4)]
-    ready = [e["source"] for e in events(tmp_path / "run" / "sites" / "local-0") if e["event"] == "ready"]
-    assert ready == ["fresh", "global"]
+    ckpt = tmp_path / "run" / "sites" / "local-0" / "ckpt"
+    assert not [p for p in ckpt.iterdir() if TEMP_MARKER in p.name]  # no torn file left behind
+    assert synced(tmp_path) == [(1, 1), (2, 2), (3, 3)]
+    assert latest(tmp_path)[1]["sampler"]["draws"] == 9
+    site_events = events(tmp_path / "run" / "sites" / "local-0")
+    assert [e["state"] for e in site_events if e["event"] == "push_after_checkpoint"] == ["applied"]
+    assert [e["source"] for e in site_events if e["event"] == "ready"] == ["fresh", "global"]
 
 
 @pytest.mark.slow

@@ -68,18 +68,23 @@ def test_wait_idle_returns_when_the_last_push_is_released() -> None:
     assert ledger.wait_idle(timedelta(seconds=30))
 
 
-def test_the_ledger_forgets_the_oldest_and_persists_the_newest(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_ledger_forgets_only_what_a_resend_could_no_longer_use_and_persists_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(ledger_module, "MAX_REMEMBERED_PUSHES", 5)
-    monkeypatch.setattr(ledger_module, "PERSISTED_PUSH_IDS", 3)
     ledger = PushLedger()
     for i in range(7):
         ledger.remember(f"p{i}", m.PushReply(True, i, "", 0))
-    assert not ledger.knows("p1") and ledger.knows("p2")
+    assert ledger.knows("p0")  # over the count, but a resend of it could still be applied: kept
+    ledger.prune(3)  # the global version moved on: pushes applied before version 3 are refused as stale now
+    assert not ledger.knows("p1") and ledger.knows("p2")  # the oldest go, down to the count
+    ledger.prune(100)
+    assert ledger.knows("p2")  # the newest MAX_REMEMBERED_PUSHES stay in any case
     rows = ledger.to_json()
-    assert [r[0] for r in rows] == ["p4", "p5", "p6"] and rows[0] == ["p4", True, 4, "", 0]
+    assert [r[0] for r in rows] == ["p2", "p3", "p4", "p5", "p6"] and rows[0] == ["p2", True, 2, "", 0]
     restored = PushLedger()
-    restored.load_json(rows)
-    assert restored.state("p6") == "applied" and not restored.knows("p3")
+    restored.load_json(rows)  # a snapshot holds every one remembered
+    assert restored.state("p6") == "applied" and restored.knows("p2") and not restored.knows("p1")
 
 
 def test_the_observer_records_each_update_with_the_contributions_of_its_round() -> None:

@@ -62,7 +62,7 @@ def test_restart_restores_model_momentum_sessions_pushes_and_history(tmp_path: P
     restarted.finish()
 
 
-def test_snapshot_every_n_versions_and_newer_updates_are_dropped(tmp_path: Path) -> None:
+def test_a_crash_between_snapshots_replays_the_journal_to_the_same_model(tmp_path: Path) -> None:
     kw = dict(snapshot_every=3, run_codec="int8", state_dir=str(tmp_path))
     logic = make("async", **kw)
     (a,) = joined(logic, 1)
@@ -71,13 +71,19 @@ def test_snapshot_every_n_versions_and_newer_updates_are_dropped(tmp_path: Path)
         push(logic, a, i, random_delta(params, i), cfg=INT8, push_id=f"s{i}")
     assert CheckpointStore(tmp_path, prefix="global").latest_step() == 3
     assert logic.core.model.downlink.versions() == [0, 1, 2, 3, 4]
-    # a crash here (no finish): the restart goes back to version 3 and forgets updates 3->4 and 4->5
+    updates = {v: codec.decode((tmp_path / "updates" / f"update-{v:09d}.gfdc").read_bytes()) for v in range(5)}
+    # a crash here (no finish): the restart loads version 3 and replays the journaled pushes of versions 3 and 4
     restarted = make("async", **kw)
-    assert restarted.version == 3 and restarted.core.model.downlink.versions() == [0, 1, 2]
+    assert restarted.version == 5 and restarted.model_hash() == logic.model_hash()  # bit for bit
+    assert restarted.core.model.downlink.versions() == [0, 1, 2, 3, 4]
+    for v, update in updates.items():  # republished as they were: a site applying the old files matches too
+        again = codec.decode((tmp_path / "updates" / f"update-{v:09d}.gfdc").read_bytes())
+        assert all(again[k].tobytes() == u.tobytes() for k, u in update.items())
     (b,) = joined(restarted, 1)
-    with pytest.raises(Exception, match="newer than the global version 3"):
-        push(restarted, b, 5, random_delta(params, 9), cfg=INT8)
-    assert fetch(restarted, b, 5)[0].kind == "full"  # a site from the lost future takes the full model
+    assert push(restarted, b, 4, random_delta(params, 5), cfg=INT8, push_id="s4").duplicate  # applied once
+    with pytest.raises(Exception, match="newer than the global version 5"):
+        push(restarted, b, 6, random_delta(params, 9), cfg=INT8)
+    assert fetch(restarted, b, 6)[0].kind == "full"  # a site from a future the PS never made takes the full model
 
 
 CHILD = """

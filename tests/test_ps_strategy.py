@@ -1,4 +1,4 @@
-"""Aggregation strategies without gRPC or a PS: when a round closes, staleness, weights, journaling, sync now."""
+"""Aggregation strategies without gRPC or a PS: when a round closes, staleness, weights, restoring, sync now."""
 
 from __future__ import annotations
 
@@ -109,14 +109,33 @@ def test_buffered_closes_after_k_deltas_or_at_the_deadline(tmp_path: Path) -> No
     assert s.ready({"a", "b"})
 
 
-@pytest.mark.parametrize("aggregation, journaled", [("sync", True), ("buffered", True), ("async", False)])
-def test_a_delta_is_journaled_only_while_its_round_stays_open(
-    tmp_path: Path, aggregation: str, journaled: bool
+@pytest.mark.parametrize(("aggregation", "robust"), [("sync", "none"), ("buffered", "median"), ("async", "none")])
+def test_a_taken_round_is_put_back_whole_when_its_update_cannot_be_made(
+    tmp_path: Path, aggregation: str, robust: str
 ) -> None:
-    s = make(tmp_path, aggregation)
-    assert s.stays_open is journaled
-    assert s.must_journal(closed=False) is journaled
-    assert not s.must_journal(closed=True)  # its own admission closed the round: the snapshot holds it
+    s = make(tmp_path, aggregation, robust=robust)
+    for session, value in [("a", 1.0), ("b", 3.0), ("c", 8.0)][: 1 if aggregation == "async" else 3]:
+        admit(s, session, value)
+    count = s.count
+    totals = s.take()
+    assert s.count == 0 and totals.count == count
+    first = s.aggregate(totals)
+    s.restore(totals)  # the update was not made (a full disk): the round is open again, nothing consumed
+    assert s.count == count
+    totals = s.take()
+    np.testing.assert_array_equal(s.aggregate(totals)["w"], first["w"])
+    s.release(totals)
+    assert not list((tmp_path / "staging").iterdir())  # the spooled deltas go once the round is done
+
+
+def test_async_token_weights_survive_a_snapshot(tmp_path: Path) -> None:
+    s = make(tmp_path, "async", weighting="tokens")
+    for tokens in (150, 300, 600):
+        s.scale(0, tokens)
+    again = make(tmp_path, "async", weighting="tokens")
+    again.load_state(s.state())
+    assert again.scale(0, 300) == s.scale(0, 300)  # a replayed journal weighs its deltas as they were weighed
+    assert make(tmp_path, "sync").state() == {}
 
 
 def test_staleness_is_refused_beyond_the_limit_and_from_the_future(tmp_path: Path) -> None:
@@ -187,6 +206,8 @@ def test_a_robust_round_spools_to_staging_and_reset_drops_it(tmp_path: Path) -> 
     totals = s.take()
     assert totals.folded is None and len(totals.spooled) == 3
     np.testing.assert_allclose(s.aggregate(totals)["w"], 5.0)
+    assert len(list((tmp_path / "staging").iterdir())) == 3  # kept until the update is made (or refused)
+    s.release(totals)
     assert not list((tmp_path / "staging").iterdir())
     admit(s, "a", 1.0)
     s.reset(SPEC)

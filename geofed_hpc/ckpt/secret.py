@@ -9,6 +9,8 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from geofed_hpc.ckpt.atomic import fsync_dir
+
 
 def write_secret(path: Path, data: dict[str, Any]) -> None:
     """Replace `path` with JSON `data`, mode 0600 from the first byte (never briefly world-readable)."""
@@ -23,6 +25,7 @@ def write_secret(path: Path, data: dict[str, Any]) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o600)  # O_CREAT's mode passes through the umask; make sure
         os.replace(tmp, path)
+        fsync_dir(path.parent)  # the rename itself survives a crash
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from geofed_hpc.ckpt import CheckpointStore
+from geofed_hpc.ckpt import CheckpointStore, atomic_write_bytes
 from geofed_hpc.ckpt.best import BestCheckpoints
 from geofed_hpc.client.deferred import Deferred
 from geofed_hpc.client.evaluation import Evaluation
@@ -26,6 +27,9 @@ from geofed_hpc.errors import CheckpointError
 from geofed_hpc.log import logger
 from geofed_hpc.paradigms.exchange import Params
 from geofed_hpc.paradigms.site import SiteParadigm
+from geofed_hpc.rpc import messages as m
+
+PUSH_RECORD = "push.json"  # the last push that went out, beside the checkpoints
 
 
 def model_shape(cfg: RunConfig) -> dict[str, Any]:
@@ -75,6 +79,30 @@ class SiteCheckpoints:
         self.cfg, self.parts, self.job_id = cfg, parts, job_id
         self.store = CheckpointStore(directory, prefix="site", keep=2)
         self.best = BestCheckpoints(directory / "best", keep=cfg.train.keep_best)
+
+    def record_push(self, header: m.PushHeader, draws: int, tokens_seen: int, syncs_after: int) -> None:
+        """Before a push goes out: what it carries, on disk (push.json). A job killed after the PS applied it and
+        before the checkpoint after it finds it there and skips its batches instead of training them again."""
+        record = {
+            "push_id": header.push_id,
+            "base_version": header.base_version,
+            "tokens": header.tokens,
+            "draws": draws,
+            "tokens_seen": tokens_seen,
+            "syncs": syncs_after,
+        }
+        atomic_write_bytes(self.store.directory / PUSH_RECORD, json.dumps(record).encode())
+
+    def push_record(self, restored: Restored | None) -> dict[str, Any] | None:
+        """The record of a push that went out after `restored` was written (against its base), or None."""
+        try:
+            record = json.loads((self.store.directory / PUSH_RECORD).read_text())
+        except (OSError, ValueError):
+            return None
+        if restored is None or not isinstance(record, dict):
+            return None
+        after = record.get("base_version") == restored.version and record.get("draws", 0) > self.parts.sampler.draws
+        return record if after else None
 
     @staticmethod
     def exists(directory: Path) -> bool:

@@ -8,6 +8,7 @@ from datetime import timedelta
 import numpy as np
 
 from geofed_hpc import codec
+from geofed_hpc.client.events import EventLog
 from geofed_hpc.client.group import SiteGroup
 from geofed_hpc.client.telemetry import SyncTimer
 from geofed_hpc.errors import CodecError, ProtocolError
@@ -42,8 +43,11 @@ class Replica:
     pushed, and the next pull is a full one). Loading a pulled model into the site's ranks goes through `group`;
     the site's private tensors (hybrid_lora's adapters) are kept across it."""
 
-    def __init__(self, name: str, group: SiteGroup, exchange: Exchange, private: list[str]) -> None:
+    def __init__(
+        self, name: str, group: SiteGroup, exchange: Exchange, private: list[str], events: EventLog | None = None
+    ) -> None:
         self.name, self.group, self.exchange, self.private = name, group, exchange, private
+        self.events = events
         self.base: Params = {}
         self.version = 0
         self.exact = True
@@ -62,6 +66,11 @@ class Replica:
                 if header.base_version != have:
                     raise ProtocolError(f"updates start at version {header.base_version}, we hold {have}")
                 arrays = apply_updates(self.base, header, payload, self.exchange)
+                if not self._matches(header, arrays):
+                    raise ProtocolError(
+                        f"after the updates our model differs from the PS's version {header.version} (it restarted "
+                        "from an older state or was re-seeded since we pulled)"
+                    )
             except (CodecError, ProtocolError) as exc:
                 logger.warning("%s: cannot apply the global updates (%s); pulling the full model", self.name, exc)
                 self.base = {}
@@ -71,8 +80,19 @@ class Replica:
             arrays = codec.decode(payload)
             if have is not None and header.version < have:
                 logger.warning("%s: the PS is back at version %d (we held %d)", self.name, header.version, have)
+            if not self._matches(header, arrays):  # the PS's own model, sent whole: never expected to differ
+                logger.error("%s: the model of version %d does not match its digest", self.name, header.version)
         self.group.load_model(self.with_private(arrays))
         self.base, self.version, self.exact = arrays, header.version, True
+
+    def _matches(self, header: m.ModelHeader, arrays: Params) -> bool:
+        """Whether `arrays` are the PS's model of header.version, bit for bit (a PS that sends no digest: yes).
+        Every check is recorded: replica_diverged events count the replicas that were not."""
+        if not header.model_digest or codec.model_digest(arrays) == header.model_digest:
+            return True
+        if self.events is not None:
+            self.events("replica_diverged", version=header.version, kind=header.kind)
+        return False
 
     def with_private(self, arrays: Params) -> Params:
         """The global model plus this site's private tensors (hybrid_lora's adapters), which it never sends."""

@@ -7,6 +7,7 @@ import math
 import signal
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +58,10 @@ class SiteTrainer:
         self.progress, self.interval = Progress(), Interval()
         self.evaluation = Evaluation(group, cfg.train.eval_interval)
         link = PSLink(cfg, self.name, directory, self.events)
-        uplink = Uplink(cfg, self.name, self.events, self.progress, paradigm.additive, paradigm.error_feedback)
-        replica = Replica(self.name, group, paradigm.exchange, private)
+        uplink = Uplink(
+            cfg, self.name, self.events, self.progress, paradigm.additive, paradigm.error_feedback, self._record_push
+        )
+        replica = Replica(self.name, group, paradigm.exchange, private, self.events)
         self.sync = SiteSync(cfg, link, replica, uplink, group, paradigm, safe=self)
         parts = SiteParts(group, self.runtime.sampler, paradigm, replica, uplink, link, self.progress, self.evaluation)
         self.ckpt = SiteCheckpoints(cfg, directory / "ckpt", parts, self.events.job_id)
@@ -125,6 +128,10 @@ class SiteTrainer:
     def checkpointed(self) -> None:
         if self.lifecycle.enter(Phase.IDLE):
             self._stop()
+
+    def _record_push(self, header: m.PushHeader) -> None:
+        draws, tokens = self.runtime.sampler.draws, self.progress.tokens_seen
+        self.ckpt.record_push(header, draws, tokens, self.progress.syncs + 1)
 
     def _after_step(self, steps: int, loss_sum: float) -> None:
         self.events.once("first_step", resume_seconds=round(time.time() - self.started, 3))
@@ -227,7 +234,10 @@ class SiteTrainer:
         session = link.start(meta)
         if not session.initialized:
             link.seed(self.sync.replica.seed_arrays(), restored.version if restored else 0)
-        resume = self.sync.resume(restored, self.interval, self.progress)
+        if self._pushed_after(restored):
+            resume = "global"
+        else:
+            resume = self.sync.resume(restored, self.interval, self.progress)
         seconds = time.time() - self.started
         rec.log(
             {
@@ -242,6 +252,40 @@ class SiteTrainer:
             val_loss = self.evaluation.run(self.sync.version)
             rec.log({"val/loss": val_loss, **self.evaluation.qa, "sync/version": self.sync.version, "sync/index": 0})
             self.sync.report_first(val_loss)
+
+    def _pushed_after(self, restored: Restored | None) -> bool:
+        """The job was stopped after a push went out and before the checkpoint after it (push.json is newer than
+        the checkpoint). When the PS applied that push, its work is in the global model: its batches are skipped,
+        not trained and pushed again, and the site goes on from the global model. False: nothing of the kind."""
+        record = self.ckpt.push_record(restored)
+        if record is None or self.sync.link.client is None or not self.sync.link.session.initialized:
+            return False
+        try:
+            link, push_id = self.sync.link, str(record["push_id"])
+            reply = self.sync.uplink.ask(link.connected(), link.session_id, int(record["base_version"]), push_id)
+        except GeofedError as exc:  # the PS does not answer: the checkpoint's own work goes out as usual
+            logger.warning("%s: cannot ask the PS about our last push (%s)", self.name, exc)
+            return False
+        self.events("push_after_checkpoint", push_id=record["push_id"], state=reply.push or "not held")
+        if reply.push != "applied":
+            return False
+        sampler, progress = self.runtime.sampler, self.progress
+        logger.info(
+            "%s: our push %s went in before the stop: its %d batches are skipped, not trained again",
+            self.name,
+            str(record["push_id"])[:8],
+            int(record["draws"]) - sampler.draws,
+        )
+        sampler.draws = int(record["draws"])
+        progress.tokens_seen = max(progress.tokens_seen, int(record["tokens_seen"]))
+        progress.syncs = max(progress.syncs, int(record["syncs"]))
+        progress.contribution_total += int(record["tokens"])
+        self.sync.uplink.deferred.clear()
+        self.sync.replica.base = {}  # the checkpoint's base is behind: take the global model whole
+        self.sync.pull(0, timedelta(0))
+        self.ckpt.save()
+        self.checkpointed()
+        return True
 
     def _sync_once(self, rec: Recorder) -> None:
         """Train one interval, push its work and pull (or defer it), evaluate when due, log, checkpoint."""

@@ -14,6 +14,7 @@ from geofed_hpc.client.events import EventLog
 from geofed_hpc.client.progress import Progress
 from geofed_hpc.client.telemetry import SyncTimer
 from geofed_hpc.config import CodecConfig, RunConfig
+from geofed_hpc.errors import UnavailableError
 from geofed_hpc.log import logger
 from geofed_hpc.paradigms.exchange import Params
 from geofed_hpc.rpc import messages as m
@@ -22,6 +23,8 @@ from geofed_hpc.rpc.client import PSClient
 # Once a push has spent ps.retry_budget, the site trains on; the attempts at the end of each later interval
 # (and the heartbeats in between) are short: the next interval is the retry.
 OFFLINE_ATTEMPT_BUDGET = timedelta(seconds=10)
+# While the PS still receives a push we ask about, we ask again this often (its fate is not known yet).
+RECEIVING_POLL = timedelta(seconds=1)
 
 
 @dataclass
@@ -48,8 +51,10 @@ class Uplink:
         progress: Progress,
         additive: bool = True,
         error_feedback: bool = True,
+        on_push: Callable[[m.PushHeader], None] | None = None,
     ) -> None:
         self.cfg, self.name, self.events, self.progress = cfg, name, events, progress
+        self.on_push = on_push  # told of each push just before it goes out (the site records it on disk)
         self.additive = additive  # the paradigm's later steps can be pushed apart from confirmed ones
         self.error_feedback = error_feedback  # the paradigm's deltas carry the codec's residual forward
         self.feedback = codec.ErrorFeedback()  # the residual the codec lost, added to the next delta
@@ -112,6 +117,8 @@ class Uplink:
             work.session_id, work.base_version, steps, tokens, name, 0, b"", push_id, train_loss=work.loss
         )
         self.attempt = (header, payload)  # unanswered (UnavailableError): `defer` keeps it, to ask the PS about
+        if self.on_push is not None:
+            self.on_push(header)
         t0 = time.monotonic()
         reply = client.push_delta(header, payload, budget=self.budget())
         self.attempt, self.work_id = None, ""
@@ -137,8 +144,7 @@ class Uplink:
         held = self.deferred
         assert held.attempt is not None
         push_id = str(held.attempt["push_id"])
-        request = m.HeartbeatRequest(work.session_id, work.base_version, push_id=push_id)
-        reply = client.heartbeat(request, budget=self.budget())
+        reply = self.ask(client, work.session_id, work.base_version, push_id)
         self.events("unanswered_push", push_id=push_id, state=reply.push or "not held", version=reply.version)
         if reply.push != "applied":
             self.work_id = push_id
@@ -149,6 +155,21 @@ class Uplink:
         self.push_version = reply.version
         held.confirm()
         return True
+
+    def ask(self, client: PSClient, session_id: str, version: int, push_id: str) -> m.HeartbeatReply:
+        """What the PS knows of `push_id`: "applied", or "" (not held). While a stream of it is still arriving
+        ("receiving") its fate is not known, so the PS is asked again until it is, within the push budget
+        (then UnavailableError: the work stays held, and the next interval asks again)."""
+        budget = self.budget()
+        deadline = time.monotonic() + budget.total_seconds()
+        request = m.HeartbeatRequest(session_id, version, push_id=push_id)
+        reply = client.heartbeat(request, budget=budget)
+        while reply.push == "receiving":
+            if time.monotonic() >= deadline:
+                raise UnavailableError(f"the PS is still receiving push {push_id[:8]}; asking again later")
+            time.sleep(RECEIVING_POLL.total_seconds())
+            reply = client.heartbeat(request, budget=budget)
+        return reply
 
     def remaining(self, update: Params) -> Params:
         """`update` (local - base) less the confirmed attempts of this outage (their decoded payloads), in place:

@@ -1,6 +1,7 @@
 """Delta compression: min-max int16/int8/int4, bf16 or lossless fp32, zstd-coded, streamed in checked frames."""
 
 from geofed_hpc.codec.adaptive import LinkAdaptive
+from geofed_hpc.codec.digest import model_digest
 from geofed_hpc.codec.feedback import ErrorFeedback
 from geofed_hpc.codec.inputs import TensorSource
 from geofed_hpc.codec.stream import Piece, StreamDecoder, codec_name, decode, encode, encode_frames
@@ -15,4 +16,5 @@ __all__ = [
     "decode",
     "encode",
     "encode_frames",
+    "model_digest",
 ]

@@ -24,13 +24,12 @@ class WeightedSum:
     count: int
 
     def mean(self) -> tuple[Params, float]:
-        """(weighted mean, FedNova's tau_eff); the sum's arrays are divided in place and handed over."""
+        """(weighted mean in new arrays, FedNova's tau_eff); the sum stays as it is, so a round whose update
+        cannot be made (a full disk) is still whole."""
         if not self.weight > 0:
             raise ValueError("no delta folded yet")
         inv = np.float32(1.0 / self.weight)
-        for v in self.total.values():
-            v *= inv
-        return self.total, self.weighted_steps / self.weight
+        return {k: v * inv for k, v in self.total.items()}, self.weighted_steps / self.weight
 
 
 class MeanAccumulator:
@@ -84,11 +83,15 @@ class MeanAccumulator:
 
     def take_sum(self) -> WeightedSum:
         """Everything folded, before the mean; the sum is handed over, not copied."""
-        if self._sum is None:
-            raise ValueError("no delta folded yet")
-        out = WeightedSum(self._sum, self.weight, self.weighted_steps, self.count)
+        out = self.peek_sum()
         self.reset()
         return out
+
+    def peek_sum(self) -> WeightedSum:
+        """Everything folded, before the mean, without starting afresh (the arrays are shared, not copied)."""
+        if self._sum is None:
+            raise ValueError("no delta folded yet")
+        return WeightedSum(self._sum, self.weight, self.weighted_steps, self.count)
 
     def take_mean(self) -> tuple[Params, float]:
         """(weighted mean of everything folded, FedNova's tau_eff); the sum is handed over, not copied."""
@@ -108,7 +111,7 @@ def staleness_discount(staleness: int) -> float:
 class RelativeWork:
     """Async `ps.weighting=tokens`: a delta counts its tokens over the mean tokens of the last `window` deltas (its
     own included). Sites that trained more tokens in their interval count more, and the weights average 1, so the
-    step stays what `ps.global_lr` and the staleness discount make it. Soft state: a restarted PS starts afresh.
+    step stays what `ps.global_lr` and the staleness discount make it. Its window is kept in the PS's snapshots.
     Not thread-safe: its owner (the async strategy) is called under the coordinator's lock."""
 
     def __init__(self, window: int = 16) -> None:
@@ -121,6 +124,14 @@ class RelativeWork:
             raise ValueError(f"tokens must be positive, got {tokens}")
         self._recent.append(float(tokens))
         return float(tokens) * len(self._recent) / sum(self._recent)
+
+    def recent(self) -> list[float]:
+        """The window's tokens, oldest first (what a snapshot keeps)."""
+        return list(self._recent)
+
+    def load(self, recent: list[float]) -> None:
+        self._recent.clear()
+        self._recent.extend(float(t) for t in recent)
 
 
 def global_norm(delta: Mapping[str, np.ndarray]) -> float:
@@ -182,22 +193,32 @@ class OuterOptimizer:
         self.buffers: Params = {}
 
     def step(self, delta: Params) -> Params:
-        """The update for `delta` (which is consumed: its arrays are reused for the result)."""
+        """The update for `delta` (which is consumed: its arrays are reused for the result); the state moves."""
+        update, buffers = self.propose(delta)
+        self.commit(buffers)
+        return update
+
+    def propose(self, delta: Params) -> tuple[Params, Params | None]:
+        """The update for `delta` (consumed) and the state after it (None: stateless), leaving the current state
+        as it is until `commit`: a round whose update is not made does not move the momentum."""
         lr = np.float32(self.lr)
         if self.kind != "nesterov":
             for v in delta.values():
                 v *= lr
-            return delta
+            return delta, None
         mu = np.float32(self.momentum)
+        buffers: Params = {}
         for k, d in delta.items():
-            buf = self.buffers.get(k)
-            if buf is None:
-                buf = self.buffers[k] = np.zeros_like(d, dtype=np.float32)
-            buf *= mu
-            buf += d
+            old = self.buffers.get(k)
+            buf = buffers[k] = d.copy() if old is None else mu * old + d
             d += mu * buf
             d *= lr
-        return delta
+        return delta, buffers
+
+    def commit(self, buffers: Params | None) -> None:
+        """Take the state a proposal computed (None: nothing to take)."""
+        if buffers is not None:
+            self.buffers = buffers
 
     def state(self) -> Params:
         return self.buffers

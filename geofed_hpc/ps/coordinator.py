@@ -6,26 +6,30 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
 from geofed_hpc.config import PSConfig
-from geofed_hpc.errors import GeofedError, ProtocolError, StaleError
+from geofed_hpc.errors import GeofedError, ProtocolError, StaleError, UnavailableError
 from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
 from geofed_hpc.paradigms.exchange import Exchange
 from geofed_hpc.ps.aggregate import Params
 from geofed_hpc.ps.journal import Entry
 from geofed_hpc.ps.ledger import PushLedger, resent
-from geofed_hpc.ps.model import GlobalModel
+from geofed_hpc.ps.model import GlobalModel, NonFiniteUpdate
 from geofed_hpc.ps.observe import Contribution, Observer
 from geofed_hpc.ps.persist import Persistence, load_init
-from geofed_hpc.ps.rounds import Prepared
+from geofed_hpc.ps.rounds import Prepared, RoundTotals
 from geofed_hpc.ps.sessions import Session, SessionTable
 from geofed_hpc.ps.staging import Staging, decode_push
 from geofed_hpc.ps.strategy import strategy_for
 from geofed_hpc.ps.tokens import TokenVerifier, tokens_path
 from geofed_hpc.rpc import messages as m
+
+# A round whose update could not be made (a full disk) is tried again this long after.
+CLOSE_RETRY = timedelta(seconds=5)
 
 
 class Coordinator:
@@ -56,6 +60,7 @@ class Coordinator:
         settings.aggregation = cfg.aggregation
         self._clock = clock
         self._started = clock()
+        self._retry_at = 0.0  # a round whose update could not be made is tried again from then on
         self._cond = threading.Condition()
         self._closing = False
         state = Path(cfg.state_dir).expanduser() if cfg.state_dir else None
@@ -71,14 +76,17 @@ class Coordinator:
         self._restore()
         if cfg.init_from:
             self._init_from(Path(cfg.init_from))
-        self.persistence.replay(
-            self.model.version if self.model.initialized else None, self.ledger.knows, self._replay_journaled
-        )
+        with self._cond:
+            self.persistence.replay(self._version, self.ledger.knows, self._replay_journaled, self._close_replayed)
+            self._maybe_close()
 
     @property
     def journals(self) -> bool:
-        """An admitted delta may be journaled (so its staged payload must be on disk before it is handed over)."""
-        return self.persistence.journals and self.strategy.stays_open
+        """An admitted delta is journaled (so its staged payload must be on disk before it is handed over)."""
+        return self.persistence.journals
+
+    def _version(self) -> int | None:
+        return self.model.version if self.model.initialized else None
 
     # ---------------------------------------------------------------- sessions, heartbeats, status
     def join(self, request: m.JoinRequest) -> m.JoinReply:
@@ -189,28 +197,40 @@ class Coordinator:
         self, session: Session, header: m.PushHeader, delta: Params, nbytes: int, staged: Path | None
     ) -> m.PushReply:
         """Fold a verified, decoded delta into the open round and answer its push. `staged`: its payload file,
-        journaled while its round stays open (the reply "accepted" comes after that, so a PS killed later still
-        has it on restart)."""
+        journaled first: the answer "accepted" comes only once the delta is on disk (a PS killed later replays it
+        on restart), and a delta that cannot be made durable is refused (UnavailableError), nothing folded."""
         prepared = self._prepare(header, delta)
+        prepared.push_id = header.push_id
         with self._cond:
-            # Remembered before the round may close: a snapshot written then must know this push was applied,
-            # or its retransmission after a restart from that snapshot would be applied a second time.
+            try:
+                self.strategy.staleness(header.base_version, self.model.version)
+                if staged is not None:
+                    self.persistence.record(staged, header, session.site, self.model.version)
+            except OSError as exc:
+                self.strategy.round.discard(prepared)
+                raise UnavailableError(
+                    f"the parameter server could not make the push durable ({exc}); it was not applied: retry later"
+                ) from None
+            except BaseException:
+                self.strategy.round.discard(prepared)
+                raise
             staleness = self._fold(prepared, header, session.site, session, nbytes)
             self.observer.pushed(session.site, header, staleness, nbytes, session.tokens)
-            open_at = self.model.version
             self._maybe_close()
-            if staged is not None and self.strategy.must_journal(closed=self.model.version != open_at):
-                self.persistence.record(staged, header, session.site, self.model.version)
+            reply = self.ledger.reply(header.push_id)
+            if reply.accepted:  # answered with the version its round made, when it closed
+                reply = self.ledger.remember(header.push_id, replace(reply, version=self.model.version))
             logger.info(
-                "push from %s (base %d, staleness %d, norm %.3g, %d bytes) accepted; version %d",
+                "push from %s (base %d, staleness %d, norm %.3g, %d bytes) %s; version %d",
                 session.site,
                 header.base_version,
                 staleness,
                 prepared.norm,
                 nbytes,
+                "accepted" if reply.accepted else "refused",
                 self.model.version,
             )
-            return self.ledger.remember(header.push_id, m.PushReply(True, self.model.version, "", staleness))
+            return reply
 
     def _prepare(self, header: m.PushHeader, delta: Params) -> Prepared:
         """Check and prepare (clip, normalise, spool) a delta; nothing is folded yet."""
@@ -231,28 +251,59 @@ class Coordinator:
 
     # ---------------------------------------------------------------- versions
     def _maybe_close(self) -> None:
-        if self.model.initialized and self.strategy.ready(self.sessions.active()):
+        if self.model.initialized and self.strategy.ready(self.sessions.active()) and self._clock() >= self._retry_at:
             self._close_round("ready")
 
-    def _close_round(self, why: str) -> None:
-        """Aggregate the open round, step the outer optimizer, publish and apply the update (hold the lock)."""
+    def _close_round(self, why: str) -> bool:
+        """Aggregate the open round, step the outer optimizer, publish and apply the update, all or nothing (hold
+        the lock). When the update cannot be made (a full disk: OSError), the round stays open, whole, and is
+        tried again after CLOSE_RETRY; an update that is not finite is refused with its round (its pushes then
+        read "not applied"). Whether the model moved."""
         version = self.model.version
+        totals = self.strategy.take()  # (sum, weight, count) before the mean: what a peer group would reduce
         try:
-            totals = self.strategy.take()  # (sum, weight, count) before the mean: what a peer group would reduce
-            published = self.model.publish(self.strategy.aggregate(totals))
-        except (GeofedError, ValueError) as exc:
-            logger.error("round at version %d discarded: %s", version, exc)
-            self.observer.round_dropped()
-            self.persistence.forget_rounds(version, self.strategy.count)
-            return
-        fault("ps.aggregate", str(version))
-        self.model.apply(published)
+            proposal = self.model.propose(self.strategy.aggregate(totals))
+            fault("ps.aggregate", str(version))
+            self.model.commit(proposal)
+        except NonFiniteUpdate as exc:
+            self._refuse_round(totals, str(exc))
+            return False
+        except (OSError, GeofedError, ValueError) as exc:
+            self.strategy.restore(totals)
+            self._retry_at = self._clock() + CLOSE_RETRY.total_seconds()
+            logger.error(
+                "the update of version %d could not be made (%s); its round of %d delta(s) stays open and is tried "
+                "again in %gs",
+                version,
+                exc,
+                totals.count,
+                CLOSE_RETRY.total_seconds(),
+            )
+            return False
+        self.strategy.release(totals)
+        self._retry_at = 0.0
+        self.ledger.prune(self.model.version - self.cfg.max_staleness - 1)
         self.observer.applied(self.model.version, len(self.sessions.active()), why)
         if self.model.version % self.cfg.snapshot_every == 0:
             self._snapshot()
-        self.persistence.forget_rounds(self.model.version, self.strategy.count)
         self._cond.notify_all()
         logger.info("update from %d deltas (%s) -> version %d", totals.count, why, self.model.version)
+        return True
+
+    def _refuse_round(self, totals: RoundTotals, why: str) -> None:
+        """A round whose update is refused: its deltas are dropped (journal entries too), its pushes not applied."""
+        self.strategy.release(totals)
+        self.observer.round_dropped()
+        self.persistence.drop_round(self.model.version)
+        reason = f"not applied: its round at version {self.model.version} was refused ({why})"
+        for push_id in totals.push_ids:
+            self.ledger.remember(push_id, m.PushReply(False, self.model.version, reason))
+        logger.error("round at version %d refused, %d delta(s) dropped: %s", self.model.version, totals.count, why)
+
+    def _close_replayed(self) -> None:
+        """Replaying the journal: the round open now closed before the restart (the next entry joined the next)."""
+        if self.strategy.count:
+            self._close_round("replayed")
 
     def _adopted(self) -> None:
         """A model was adopted: no open round from before it."""
@@ -268,12 +319,15 @@ class Coordinator:
         self._cond.notify_all()
 
     def _snapshot(self) -> None:
-        """Write the whole PS state (hold the lock); a failure is logged, never fatal."""
+        """Write the whole PS state (hold the lock); a failure is logged, never fatal: the journal still holds
+        every delta since the previous snapshot. Once written, the journal's rounds before it go."""
         if not self.persistence.enabled or not self.model.initialized:
             return
         state = self.model.state()
         state.sessions, state.push_ids = self.sessions.to_json(), self.ledger.to_json()
-        self.persistence.save(state)
+        state.strategy = self.strategy.state()
+        if self.persistence.save(state):
+            self.persistence.forget_before(self.model.version)
 
     # ---------------------------------------------------------------- start
     def _restore(self) -> None:
@@ -283,6 +337,7 @@ class Coordinator:
         state, path = loaded
         self.model.restore(state, path)
         self._adopted()
+        self.strategy.load_state(state.strategy)
         self.sessions.load_json(state.sessions)
         self.ledger.load_json(state.push_ids)
 
@@ -300,7 +355,9 @@ class Coordinator:
         """Fold a journaled delta of the open round in again after a restart (its push remembered as applied, so a
         site's retransmission is answered as a duplicate)."""
         h = entry.header
+        self.strategy.check(h, self.model.version)  # what the header alone shows (fednova needs local steps, ...)
         prepared = self._prepare(h, decode_push(entry.payload, h, self.model.spec))
+        prepared.push_id = h.push_id
         with self._cond:
             self._fold(prepared, h, entry.site, self.sessions.sessions.get(h.session_id), len(entry.payload))
 
@@ -324,7 +381,6 @@ class Coordinator:
             if self.model.initialized and self.strategy.count:
                 self._close_round("shutdown: applying the open round early")
             self._snapshot()
-            self.persistence.forget_rounds(self.model.version, self.strategy.count)
             self.strategy.clear()
 
     def ps_metrics(self) -> dict[str, float | int]:

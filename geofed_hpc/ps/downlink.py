@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,17 @@ from geofed_hpc.log import logger
 from geofed_hpc.ps.aggregate import Params
 
 _NAME = re.compile(r"^update-(\d{9,})\.gfdc$")
+
+
+@dataclass
+class Published:
+    """Global update `version` -> version+1 as the downlink sends it (`payload`), what every replica adds
+    (`applied`, its decoding) and the quantisation error left over (`residual`; None for a lossless codec)."""
+
+    version: int
+    payload: bytes
+    applied: Params
+    residual: Params | None
 
 
 class Downlink:
@@ -37,7 +49,13 @@ class Downlink:
             directory.mkdir(parents=True, exist_ok=True)
 
     def publish(self, version: int, update: Params) -> Params:
-        """Encode update version -> version+1 (consumed) plus the residual; return exactly what to add."""
+        """Encode update version -> version+1 (consumed) plus the residual, keep it; return exactly what to add."""
+        published = self.propose(version, update)
+        self.commit(published)
+        return published.applied
+
+    def propose(self, version: int, update: Params) -> Published:
+        """Encode update version -> version+1 (consumed) plus the residual; nothing is kept or changed yet."""
         target = update
         for k, v in target.items():
             res = self.residual.get(k)
@@ -45,12 +63,18 @@ class Downlink:
                 v += res
         payload = codec.encode(target, self.cfg)
         decoded = codec.decode(payload)
+        residual = None
         if self.cfg.name != "fp32":
             for k, v in target.items():
                 np.subtract(v, decoded[k], out=v)
-            self.residual = target
-        self._store(version, payload)
-        return decoded
+            residual = target
+        return Published(version, payload, decoded, residual)
+
+    def commit(self, published: Published) -> None:
+        """Keep a proposed update (the one step that may fail: its file is written first) and its residual."""
+        self._store(published.version, published.payload)
+        if published.residual is not None:
+            self.residual = published.residual
 
     def _store(self, version: int, payload: bytes) -> None:
         if self.keep == 0:

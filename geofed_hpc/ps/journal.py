@@ -41,9 +41,10 @@ def sync_file(path: Path) -> None:
 
 class RoundJournal:
     """The verified bytes and header of each delta admitted to a round that is still open, so that a PS killed
-    before the round closes gets that round back on restart (an accepted push is never lost). Only strategies whose
-    rounds stay open after a push journal (`Strategy.stays_open`: sync, buffered); an async push closes its round
-    at once and the snapshot written then holds it. Entries go when a snapshot holds their round (`clear`).
+    before the round closes gets that round back on restart (an accepted push is never lost). Every admitted delta
+    is journaled before its push is answered, whatever the aggregation mode; a restart replays the entries after
+    its snapshot in admission order, so it reaches the versions it had made. Entries go once a snapshot holds
+    their round (`drop_before`).
 
     `<name>.push` (the payload, moved from staging) and `<name>.json` (header, site, version) per delta in
     `directory`. The JSON is written last and atomically: an entry without it, or whose payload does not match
@@ -56,12 +57,16 @@ class RoundJournal:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
         clean_temp_files(directory, lambda target: target.endswith(".json"))
+        # entry names sort in admission order: a clock reading, never below the newest entry's (clocks step back)
+        stems = [p.stem.split("-")[0] for p in directory.glob("*.json")]
+        self._last = max((int(stem) for stem in stems if stem.isdigit()), default=0)
 
     def record(self, staged: Path, header: m.PushHeader, site: str, version: int) -> None:
         """Keep a verified staged payload (already fsynced, see `sync_file`) as an entry of the round open at
         `version`. Call with the PS lock held, before the push is answered."""
         # admission order, and the push id hashed: the id comes from a site and never becomes a path
-        name = f"{time.time_ns():020d}-{hashlib.sha256(header.push_id.encode()).hexdigest()[:16]}"
+        self._last = max(time.time_ns(), self._last + 1)
+        name = f"{self._last:020d}-{hashlib.sha256(header.push_id.encode()).hexdigest()[:16]}"
         target = self.directory / f"{name}.push"
         try:
             os.replace(staged, target)  # staging usually lives in the same state directory
@@ -103,8 +108,31 @@ class RoundJournal:
     def drop(self, entry: Entry) -> None:
         self._remove(entry.name)
 
+    def drop_before(self, version: int) -> int:
+        """Remove the entries of rounds open before `version` (a snapshot at `version` holds them); how many."""
+        dropped = 0
+        for meta_path in self.directory.glob("*.json"):
+            try:
+                old = int(json.loads(meta_path.read_text())["version"]) < version
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # a damaged entry: entries() reports and removes it
+            if old:
+                self._remove(meta_path.stem)
+                dropped += 1
+        return dropped
+
+    def set_aside(self, entry: Entry) -> Path:
+        """Move an entry that cannot be replayed to set-aside/ (kept for the operator, never replayed)."""
+        aside = self.directory / "set-aside"
+        aside.mkdir(exist_ok=True)
+        for suffix in (".push", ".json"):
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(self.directory / f"{entry.name}{suffix}", aside / f"{entry.name}{suffix}")
+        fsync_dir(self.directory)
+        return aside / f"{entry.name}.json"
+
     def clear(self) -> None:
-        """A snapshot holds every journaled round now."""
+        """A new model was seeded: no round from before it."""
         for path in self.directory.iterdir():
             if path.suffix in (".json", ".push") and path.is_file():
                 path.unlink(missing_ok=True)

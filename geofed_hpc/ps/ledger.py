@@ -11,14 +11,18 @@ from typing import Any
 from geofed_hpc.errors import UnavailableError
 from geofed_hpc.rpc import messages as m
 
+# At least this many replies are remembered; beyond it, only those a resend could still be applied against.
 MAX_REMEMBERED_PUSHES = 10_000
-PERSISTED_PUSH_IDS = 2_000
 
 
 class PushLedger:
-    """Owns what the PS knows of push ids: the reply of each push it handled (the newest MAX_REMEMBERED_PUSHES in
-    memory, the newest PERSISTED_PUSH_IDS in snapshots) and the ids being received or applied now. A resent push
-    is answered from here, never applied twice; a site asking about an unanswered push learns what became of it.
+    """Owns what the PS knows of push ids: the reply of each push it handled and the ids being received or applied
+    now. A resent push is answered from here, never applied twice; a site asking about an unanswered push learns
+    what became of it. Every reply remembered is in the snapshots too.
+
+    How long a reply is remembered: while a resend of its push could still be applied, i.e. while its version is
+    within `ps.max_staleness` of the global version (`prune` sets that floor at each new version; an older resend is
+    refused as stale, so it is never applied twice either), and in any case the newest MAX_REMEMBERED_PUSHES.
 
     Lock: its own condition `_cond` guards both. It calls nothing while holding it, so the coordinator may call in
     with its lock held (it remembers a push in the same step that admits it, so a snapshot there sees it) except
@@ -29,6 +33,7 @@ class PushLedger:
         self._cond = threading.Condition()
         self._replies: OrderedDict[str, m.PushReply] = OrderedDict()
         self._inflight: set[str] = set()
+        self._floor = 0  # replies of pushes applied before this version may be forgotten
 
     def claim(self, push_id: str, timeout: timedelta) -> m.PushReply | None:
         """Take `push_id` in flight (None), or the reply remembered when it was handled already. While another
@@ -69,12 +74,30 @@ class PushLedger:
             return push_id in self._replies
 
     def remember(self, push_id: str, reply: m.PushReply) -> m.PushReply:
-        """Keep `reply` as the answer to `push_id` (the oldest beyond the limit is forgotten); return it."""
+        """Keep `reply` as the answer to `push_id`; return it."""
         with self._cond:
             self._replies[push_id] = reply
-            while len(self._replies) > MAX_REMEMBERED_PUSHES:
-                self._replies.popitem(last=False)
+            self._evict()
         return reply
+
+    def reply(self, push_id: str) -> m.PushReply:
+        """The reply remembered for `push_id` (KeyError when there is none)."""
+        with self._cond:
+            return self._replies[push_id]
+
+    def prune(self, floor: int) -> None:
+        """The global version moved: replies of pushes applied before `floor` may go (beyond the newest
+        MAX_REMEMBERED_PUSHES), since a resend of them is refused as stale."""
+        with self._cond:
+            self._floor = max(self._floor, floor)
+            self._evict()
+
+    def _evict(self) -> None:
+        while len(self._replies) > MAX_REMEMBERED_PUSHES:
+            oldest = next(iter(self._replies.values()))
+            if oldest.version >= self._floor:
+                return
+            self._replies.popitem(last=False)
 
     def state(self, push_id: str) -> str:
         """What a site asking about its unanswered push learns: "applied", "receiving" (a stream of it is still
@@ -88,10 +111,9 @@ class PushLedger:
         return "applied" if previous is not None and previous.accepted else ""
 
     def to_json(self) -> list[list[Any]]:
-        """The newest PERSISTED_PUSH_IDS replies as [push id, accepted, version, reason, staleness] rows."""
+        """Every remembered reply as a [push id, accepted, version, reason, staleness] row, oldest first."""
         with self._cond:
-            rows = [[k, r.accepted, r.version, r.reason, r.staleness] for k, r in self._replies.items()]
-        return rows[-PERSISTED_PUSH_IDS:]
+            return [[k, r.accepted, r.version, r.reason, r.staleness] for k, r in self._replies.items()]
 
     def load_json(self, rows: list[list[Any]]) -> None:
         """Remember the replies of a snapshot's rows (see to_json)."""

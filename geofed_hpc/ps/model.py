@@ -4,21 +4,37 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from geofed_hpc import codec
 from geofed_hpc.config import CodecConfig, PSConfig
+from geofed_hpc.errors import ProtocolError
 from geofed_hpc.log import logger
 from geofed_hpc.paradigms.exchange import Exchange
 from geofed_hpc.ps.aggregate import OuterOptimizer, Params, add_update
-from geofed_hpc.ps.downlink import Downlink
+from geofed_hpc.ps.downlink import Downlink, Published
 from geofed_hpc.ps.persist import PSState
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import digest
 
 CHAIN_CACHE = 4  # update chains kept ready per version (sites at different versions ask for different ones)
+
+
+class NonFiniteUpdate(ProtocolError):
+    """A round's update holds NaN or Inf, or adding it would: it is refused and the model stays finite."""
+
+
+@dataclass
+class Proposal:
+    """One global update, computed but not made: the downlink's encoding of it, the outer optimizer's state after
+    it (None: stateless) and what it adds to each model tensor."""
+
+    published: Published
+    momentum: Params | None
+    expanded: Params
 
 
 class GlobalModel:
@@ -42,6 +58,7 @@ class GlobalModel:
         down = CodecConfig(name=cfg.downlink_codec or run_codec, block_size=settings.block_size)
         self.downlink = Downlink(down, cfg.downlink_history, updates)
         self._model_cache: tuple[int, bytes, bytes] | None = None
+        self._digest: tuple[int, bytes] | None = None  # the model's identity at a version (codec.model_digest)
         self._chain_cache: OrderedDict[int, tuple[bytes, bytes, list[int]]] = OrderedDict()
 
     @property
@@ -111,20 +128,38 @@ class GlobalModel:
         """Refuse a decoded delta that does not fit this model (before folding: it cannot be undone)."""
         self.exchange.check(delta, self.version, self._shapes)
 
-    def publish(self, delta: Params) -> Params:
-        """The update for an aggregated `delta` (consumed): outer optimizer step, published on the downlink as
-        the update from this version; returns exactly what every replica adds. The model is not touched yet."""
-        return self.downlink.publish(self.version, self.outer.step(delta))
-
-    def apply(self, published: Params) -> None:
-        """Add a published update (see `publish`): the model moves to the next version."""
+    def propose(self, delta: Params) -> Proposal:
+        """The update for an aggregated `delta` (consumed): the outer optimizer's step and the downlink's encoding,
+        checked to keep the model finite. Nothing changes until `commit`; NonFiniteUpdate refuses it."""
         assert self.params is not None
-        add_update(self.params, self.exchange.expand(published, self.version, self._shapes))
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below, by name
+            update, momentum = self.outer.propose(delta)
+        for k, v in update.items():
+            if not np.isfinite(v).all():
+                raise NonFiniteUpdate(f"the update of {k} at version {self.version} holds NaN or Inf (overflow)")
+        published = self.downlink.propose(self.version, update)
+        expanded = self.exchange.expand(published.applied, self.version, self._shapes)
+        for k, v in expanded.items():
+            if not np.isfinite(v).all():
+                raise NonFiniteUpdate(f"the update of {k} at version {self.version} holds NaN or Inf")
+            with np.errstate(over="ignore"):
+                after = self.params[k] + v
+            if not np.isfinite(after).all():
+                raise NonFiniteUpdate(f"the update at version {self.version} would turn {k} to Inf (overflow)")
+        return Proposal(published, momentum, dict(expanded))
+
+    def commit(self, proposal: Proposal) -> None:
+        """Make a proposed update: keep it on the downlink (the one step that may fail, an OSError: then nothing
+        changed), take the optimizer's new state, add it to the model, which moves to the next version."""
+        assert self.params is not None and proposal.published.version == self.version
+        self.downlink.commit(proposal.published)
+        self.outer.commit(proposal.momentum)
+        add_update(self.params, proposal.expanded)
         self.version += 1
         self._new_version()
 
     def _new_version(self) -> None:
-        self._model_cache = None
+        self._model_cache = self._digest = None
         self._chain_cache.clear()
 
     # ---------------------------------------------------------------- pulls
@@ -144,7 +179,8 @@ class GlobalModel:
                         self._chain_cache.popitem(last=False)
             if cached is not None:
                 payload, sha, sizes = cached
-                header = m.ModelHeader(now, self.downlink.cfg.name, len(payload), sha, "updates", since, sizes)
+                name = self.downlink.cfg.name
+                header = m.ModelHeader(now, name, len(payload), sha, "updates", since, sizes, self.digest())
                 return header, payload
         if request.want_updates and since > now:
             logger.warning("a site holds version %d, newer than the global %d: sending the full model", since, now)
@@ -152,7 +188,14 @@ class GlobalModel:
             payload = codec.encode(self.params, CodecConfig(name="fp32"))
             self._model_cache = (now, payload, digest(payload))
         _, payload, sha = self._model_cache
-        return m.ModelHeader(now, "fp32", len(payload), sha, "full", now), payload
+        return m.ModelHeader(now, "fp32", len(payload), sha, "full", now, model_digest=self.digest()), payload
+
+    def digest(self) -> bytes:
+        """The identity of the model at this version (computed once per version)."""
+        assert self.params is not None
+        if self._digest is None or self._digest[0] != self.version:
+            self._digest = (self.version, codec.model_digest(self.params))
+        return self._digest[1]
 
     def cached_chains(self) -> list[int]:
         """The versions whose update chain is encoded and ready, oldest first."""

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from geofed_hpc.ckpt import CheckpointStore, load_tensors
-from geofed_hpc.errors import CheckpointError, GeofedError
+from geofed_hpc.errors import CheckpointError
 from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
 from geofed_hpc.ps.aggregate import Params
@@ -33,6 +33,7 @@ class PSState:
     sessions: list[dict[str, Any]] = field(default_factory=list)
     push_ids: list[list[Any]] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
+    strategy: dict[str, Any] = field(default_factory=dict)  # what the aggregation strategy keeps (Strategy.state)
 
 
 class Snapshots:
@@ -53,6 +54,7 @@ class Snapshots:
             "sessions": state.sessions,
             "push_ids": state.push_ids,
             "settings": state.settings,
+            "strategy": state.strategy,
         }
         return self.store.save(state.version, tensors, meta)
 
@@ -77,6 +79,7 @@ class Snapshots:
             list(meta.get("sessions", [])),
             list(meta.get("push_ids", [])),
             dict(meta.get("settings", {})),
+            dict(meta.get("strategy", {})),
         )
         return state, path
 
@@ -138,43 +141,74 @@ class Persistence:
         return True
 
     def record(self, staged: Path, header: m.PushHeader, site: str, version: int) -> None:
-        """Journal a delta admitted to the round open at `version` (its staged payload, fsynced already)."""
-        if self._journal is None:
-            return
-        try:
+        """Journal a delta admitted to the round open at `version` (its staged payload, fsynced already), before
+        its push is answered. OSError: it could not be made durable (the caller refuses the push)."""
+        if self._journal is not None:
             self._journal.record(staged, header, site, version)
-        except OSError as exc:  # the delta is in the round already: it stays, only a crash before it closes loses it
-            logger.error(
-                "could not journal the push from %s (%s): a PS crash before the round closes loses it", site, exc
-            )
 
-    def replay(self, version: int | None, known: Callable[[str], bool], fold: Callable[[Entry], None]) -> int:
-        """After a restart: hand each journaled delta of the round open at `version` (None: no model) whose push is
-        not `known` to `fold`, oldest first. Entries of another round (a snapshot holds it already, or it is of
-        another model) and those `fold` refuses (GeofedError) are dropped. How many were folded."""
+    def replay(
+        self,
+        version: Callable[[], int | None],
+        known: Callable[[str], bool],
+        fold: Callable[[Entry], None],
+        close: Callable[[], None],
+    ) -> int:
+        """After a restart: the journaled deltas since the snapshot, in admission order, folded again (`fold`) into
+        the rounds they joined, each round closed (`close`) where the next one began, so the PS reaches the
+        versions it had made. `version()`: the model's now (None: no model). Entries the snapshot holds, of another
+        model, or of pushes already `known` are dropped; one that cannot be replayed (`fold` fails: a changed
+        config, say) is set aside with a message, and the PS starts. How many were folded."""
         if self._journal is None:
             return 0
-        replayed = 0
+        start, replayed = version(), 0
         for entry in self._journal.entries():
-            if version is None or entry.version != version or known(entry.header.push_id):
-                self._journal.drop(entry)
+            now = version()
+            if now is None or start is None or entry.version < start or known(entry.header.push_id):
+                self._journal.drop(entry)  # its round is in the snapshot, or there is no model it belongs to
+                continue
+            if entry.version == now + 1:
+                close()  # the round open at `now` closed before the restart: this entry joined the next one
+                now = version()
+            if entry.version != now:
+                self._set_aside(entry, f"it joined the round of version {entry.version}, the model is at {now}")
                 continue
             try:
                 fold(entry)
-            except GeofedError as exc:
-                logger.warning("journaled push from %s not replayed: %s", entry.site, exc)
-                self._journal.drop(entry)
+            except Exception as exc:  # noqa: BLE001 - whatever it is, the PS must start
+                self._set_aside(entry, f"{type(exc).__name__}: {exc}")
                 continue
             replayed += 1
         if replayed:
-            logger.info("open round at version %s: %d journaled delta(s) replayed", version, replayed)
+            logger.info(
+                "journal replayed: %d delta(s) since snapshot version %s; now at version %s", replayed, start, version()
+            )
         return replayed
 
-    def forget_rounds(self, version: int, open_deltas: int) -> None:
-        """No round is open (`open_deltas` 0): once a snapshot holds `version`, the journaled rounds are in it
-        (until then they stay, and a restart from the older snapshot replays the ones of its version)."""
-        if self._journal is not None and self.snapshot_version == version and not open_deltas:
-            self._journal.clear()
+    def _set_aside(self, entry: Entry, why: str) -> None:
+        assert self._journal is not None
+        where = self._journal.set_aside(entry)
+        logger.error(
+            "journaled push %s from %s (round of version %d) cannot be replayed (%s): set aside as %s; the PS "
+            "starts without it",
+            entry.header.push_id[:8],
+            entry.site,
+            entry.version,
+            why,
+            where,
+        )
+
+    def forget_before(self, version: int) -> None:
+        """A snapshot holds `version`: the journaled rounds before it are in it."""
+        if self._journal is not None and self.snapshot_version == version:
+            self._journal.drop_before(version)
+
+    def drop_round(self, version: int) -> None:
+        """The round open at `version` was refused (its update was not finite): its entries go too."""
+        if self._journal is None:
+            return
+        for entry in self._journal.entries():
+            if entry.version == version:
+                self._journal.drop(entry)
 
     def clear_journal(self) -> None:
         """A new model was seeded: no open round from before it."""

@@ -28,6 +28,7 @@ class Prepared:
     norm: float
     arrays: Params | None = None
     spool: Path | None = None
+    push_id: str = ""
 
 
 @dataclass
@@ -40,25 +41,29 @@ class Spooled:
 
 
 @dataclass
-class RoundTotals:
-    """A closed round before its aggregate is taken: the weighted sum of mean rules, or the spooled deltas of a
-    robust rule (exactly one of the two), and how many deltas it holds."""
-
-    count: int
-    folded: WeightedSum | None = None
-    spooled: list[Spooled] = field(default_factory=list)
-
-
-@dataclass
 class _Open:
     acc: MeanAccumulator = field(default_factory=MeanAccumulator)
     spooled: list[Spooled] = field(default_factory=list)
     pushed: set[str] = field(default_factory=set)
+    push_ids: list[str] = field(default_factory=list)
     deadline: float | None = None
 
     @property
     def count(self) -> int:
         return self.acc.count + len(self.spooled)
+
+
+@dataclass
+class RoundTotals:
+    """A round taken to be closed, before its aggregate: the weighted sum of mean rules, or the spooled deltas of a
+    robust rule (exactly one of the two), how many deltas it holds and their push ids. Until `release`, the round
+    is whole and can be put back (`OpenRound.restore`) when its update cannot be made."""
+
+    count: int
+    push_ids: list[str]
+    folded: WeightedSum | None = None
+    spooled: list[Spooled] = field(default_factory=list)
+    source: _Open | None = field(default=None, repr=False)
 
 
 class OpenRound:
@@ -121,6 +126,7 @@ class OpenRound:
             r.acc.fold(p.arrays, weight, scale, p.steps, consume=True)
             p.arrays = None
         r.pushed.add(p.session_id)
+        r.push_ids.append(p.push_id)
         if r.deadline is None:
             r.deadline = self._clock() + self.cfg.round_timeout.total_seconds()
 
@@ -134,15 +140,27 @@ class OpenRound:
         return self._clock()
 
     def take(self) -> RoundTotals:
-        """The open round's totals, before anything is divided (a new round opens)."""
+        """The open round's totals, before anything is divided (a new round opens; `restore` puts this one back,
+        `release` lets its spooled files go once its update is made or refused)."""
         r, self._open = self._open, _Open()
         if r.spooled:
-            return RoundTotals(r.count, spooled=r.spooled)
-        return RoundTotals(r.count, folded=r.acc.take_sum())
+            return RoundTotals(r.count, list(r.push_ids), spooled=r.spooled, source=r)
+        return RoundTotals(r.count, list(r.push_ids), folded=r.acc.peek_sum(), source=r)
+
+    def restore(self, totals: RoundTotals) -> None:
+        """Put a taken round back as the open one (its update could not be made): nothing of it is lost."""
+        assert totals.source is not None and self._open.count == 0, "a round is restored before any new delta"
+        self._open = totals.source
+
+    def release(self, totals: RoundTotals) -> None:
+        """A taken round is done with (its update made, or refused): its spooled files go."""
+        for s in totals.spooled:
+            s.path.unlink(missing_ok=True)
+        totals.source = None
 
     def aggregate(self, totals: RoundTotals) -> Params:
-        """The round's aggregated delta: the robust rule over its spooled deltas or its weighted mean, times
-        FedNova's effective step count (the totals are consumed, spooled files removed)."""
+        """The round's aggregated delta in new arrays: the robust rule over its spooled deltas or its weighted
+        mean, times FedNova's effective step count (the totals stay whole: see `restore`)."""
         if totals.spooled:
             result = self._robust(totals.spooled)
             tau_eff = float(np.mean([s.steps for s in totals.spooled]))
@@ -184,7 +202,5 @@ class OpenRound:
         finally:
             for fd in fds:
                 os.close(fd)
-            for s in spooled:
-                s.path.unlink(missing_ok=True)
         logger.debug("%s over %d spooled deltas, %d values per slice", self.cfg.robust, n_rows, buf.shape[1])
         return out

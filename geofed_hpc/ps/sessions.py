@@ -46,6 +46,7 @@ _PERSISTED = (
     "version",
     "refused",
     "token_id",
+    "leaving",  # a site that said it leaves is not waited for after a restart either
 )
 
 

@@ -67,7 +67,7 @@ class ModelRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., min_version: _Optional[int] = ..., wait_s: _Optional[float] = ..., have_version: _Optional[int] = ..., want_updates: _Optional[bool] = ...) -> None: ...
 
 class ModelHeader(_message.Message):
-    __slots__ = ("version", "codec", "total_bytes", "sha256", "kind", "base_version", "segments")
+    __slots__ = ("version", "codec", "total_bytes", "sha256", "kind", "base_version", "segments", "model_digest")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class ModelHeader(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
     version: int
     codec: str
     total_bytes: int
@@ -82,7 +83,8 @@ class ModelHeader(_message.Message):
     kind: str
     base_version: int
     segments: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, version: _Optional[int] = ..., codec: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ..., kind: _Optional[str] = ..., base_version: _Optional[int] = ..., segments: _Optional[_Iterable[int]] = ...) -> None: ...
+    model_digest: bytes
+    def __init__(self, version: _Optional[int] = ..., codec: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ..., kind: _Optional[str] = ..., base_version: _Optional[int] = ..., segments: _Optional[_Iterable[int]] = ..., model_digest: _Optional[bytes] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("session_id", "base_version", "local_steps", "tokens", "codec", "total_bytes", "sha256", "push_id", "init", "train_loss")

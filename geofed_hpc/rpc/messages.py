@@ -52,6 +52,7 @@ class ModelHeader:
     kind: str = "full"
     base_version: int = 0
     segments: list[int] = field(default_factory=list)
+    model_digest: bytes = b""
 
 
 @dataclass

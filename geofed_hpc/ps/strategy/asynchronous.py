@@ -11,10 +11,8 @@ from geofed_hpc.ps.strategy.base import Strategy
 class AsyncUpdates(Strategy):
     """Each admitted delta closes its round at once (a round of one), scaled by 1/sqrt(1+staleness); with
     `ps.weighting=tokens` also by its tokens over the mean of recent deltas' (RelativeWork: a mean of one delta
-    would cancel its own weight). No round stays open, so nothing is journaled: the snapshot of the update holds
-    it. Owns the RelativeWork window (soft state, not persisted). Lock: as Strategy."""
-
-    stays_open = False
+    would cancel its own weight). Owns the RelativeWork window, kept in snapshots so that a journal replayed after
+    one weighs its deltas as they were weighed. Lock: as Strategy."""
 
     def __init__(self, cfg: PSConfig, round: OpenRound) -> None:
         super().__init__(cfg, round)
@@ -28,3 +26,9 @@ class AsyncUpdates(Strategy):
 
     def ready(self, active: set[str]) -> bool:
         return self.round.count > 0
+
+    def state(self) -> dict[str, list[float]]:
+        return {"recent_tokens": self._work.recent()}
+
+    def load_state(self, state: dict[str, list[float]]) -> None:
+        self._work.load(state.get("recent_tokens", []))

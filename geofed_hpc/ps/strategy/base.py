@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
 
 from geofed_hpc.config import PSConfig
 from geofed_hpc.errors import ProtocolError, StaleError
@@ -17,14 +16,10 @@ class Strategy(ABC):
     scale in the open round, when that round is ready to close, and what a heartbeat tells a site.
 
     Owns the open round (`round`, an OpenRound: the folding and the robust rules, mode-free). A subclass says
-    only what differs: `ready` (required), `scale`, `sync_now` and `stays_open`.
+    only what differs: `ready` (required), `scale`, `sync_now`, and the state a snapshot keeps.
 
     Lock: none; not thread-safe. The coordinator's lock guards every call but `prepare`.
     """
-
-    stays_open: ClassVar[bool] = True
-    """An admitted delta may wait in a round that stays open after its push is answered; with a state directory
-    such a delta is journaled before the answer (ps/journal.py), so a PS killed before the round closes keeps it."""
 
     def __init__(self, cfg: PSConfig, round: OpenRound) -> None:
         self.cfg = cfg
@@ -86,27 +81,39 @@ class Strategy(ABC):
     def ready(self, active: set[str]) -> bool:
         """The open round should become a global update now (`active`: the sessions seen recently)."""
 
-    def must_journal(self, closed: bool) -> bool:
-        """An admitted delta must be journaled before its answer: its round stayed open (`closed`: its admission
-        closed the round, so the snapshot written then holds it)."""
-        return self.stays_open and not closed
-
     def sync_now(self, session_id: str) -> bool:
         """A heartbeat from `session_id` should tell the site to push what it has now."""
         return False
 
     def take(self) -> RoundTotals:
-        """Close the open round: its totals before the aggregate is taken (a new round opens)."""
+        """Close the open round: its totals before the aggregate is taken (a new round opens; `restore` puts it
+        back when its update cannot be made, `release` once it is made or refused)."""
         return self.round.take()
 
     def aggregate(self, totals: RoundTotals) -> Params:
-        """The aggregated delta of closed `totals` (consumed)."""
+        """The aggregated delta of taken `totals`, in new arrays (the totals stay whole)."""
         return self.round.aggregate(totals)
+
+    def restore(self, totals: RoundTotals) -> None:
+        self.round.restore(totals)
+
+    def release(self, totals: RoundTotals) -> None:
+        self.round.release(totals)
 
     def close(self) -> tuple[Params, int]:
         """Close the open round: its aggregated delta and how many deltas it holds."""
         totals = self.take()
-        return self.aggregate(totals), totals.count
+        try:
+            return self.aggregate(totals), totals.count
+        finally:
+            self.release(totals)
+
+    def state(self) -> dict[str, list[float]]:
+        """What a snapshot keeps of the strategy, so that replaying the journal after it weighs deltas alike."""
+        return {}
+
+    def load_state(self, state: dict[str, list[float]]) -> None:  # noqa: B027 - most strategies keep nothing
+        """Take what `state` kept (a snapshot of an older PS may hold nothing)."""
 
     def reset(self, spec: dict[str, tuple[int, ...]]) -> None:
         """Drop the open round; deltas now carry `spec` (a model was adopted)."""
