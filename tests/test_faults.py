@@ -306,16 +306,16 @@ def test_corrupt_or_truncated_site_checkpoint_falls_back_and_the_federation_cont
             data[len(data) // 2] ^= 0xFF
             path.write_bytes(bytes(data))
         run_site(tmp_path, shards, ps, max_syncs=3)
-        # The damaged file is skipped: the site resumes from sync 1's checkpoint and the fresher global model,
-        # and trains syncs 2 and 3 again as new work (the first sync 2 stays applied once at the PS).
-        assert ps.logic.version == 4 and site_pushes(ps) == 4
+        # The damaged file is skipped: the site resumes from sync 1's checkpoint; its record of sync 2's push,
+        # which the PS applied, makes it skip sync 2's batches and go on from the global model with sync 3.
+        assert ps.logic.version == 3 and site_pushes(ps) == 3
     finally:
         ps.stop()
-    assert synced(tmp_path) == [(1, 1), (2, 2), (2, 3), (3, 4)]  # versions continuous, each delta once
+    assert synced(tmp_path) == [(1, 1), (2, 2), (3, 3)]  # versions continuous, each delta once, no batch twice
     ready = [e["source"] for e in events(tmp_path / "run" / "sites" / "local-0") if e["event"] == "ready"]
     assert ready == ["fresh", "global"]
     _, meta, _ = latest(tmp_path)
-    assert meta["version"] == 4 and meta["syncs"] == 3
+    assert meta["version"] == 3 and meta["syncs"] == 3 and meta["sampler"]["draws"] == 9
 
 
 @pytest.mark.slow
