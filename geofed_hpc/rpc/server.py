@@ -73,11 +73,17 @@ class _Observed:
             logger.debug("RPC observer failed for %s", self.method, exc_info=True)
 
 
-def _unary(method: str, fn: Callable[[Any], Any], on_rpc: OnRpc | None) -> Callable[[Any, grpc.ServicerContext], Any]:
-    def call(request: Any, context: grpc.ServicerContext) -> Any:
+Parse = Callable[[bytes], Any]
+"""Request bytes to a dataclass (rpc.serde.deserializer): ProtocolError for bytes that do not parse."""
+
+
+def _unary(
+    method: str, fn: Callable[[Any], Any], parse: Parse, on_rpc: OnRpc | None
+) -> Callable[[bytes, grpc.ServicerContext], Any]:
+    def call(raw: bytes, context: grpc.ServicerContext) -> Any:
         obs = _Observed(method, on_rpc)
         try:
-            return fn(request)
+            return fn(parse(raw))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status, never a crash
             obs.failed(exc)
             _abort(context, method, exc)
@@ -88,12 +94,12 @@ def _unary(method: str, fn: Callable[[Any], Any], on_rpc: OnRpc | None) -> Calla
 
 
 def _server_stream(
-    method: str, fn: Callable[[Any], Iterator[Any]], on_rpc: OnRpc | None
+    method: str, fn: Callable[[Any], Iterator[Any]], parse: Parse, on_rpc: OnRpc | None
 ) -> Callable[..., Iterator[Any]]:
-    def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+    def call(raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
         obs = _Observed(method, on_rpc)
         try:
-            yield from fn(request)
+            yield from fn(parse(raw))
         except Exception as exc:  # noqa: BLE001
             obs.failed(exc)
             _abort(context, method, exc)
@@ -106,11 +112,13 @@ def _server_stream(
     return call
 
 
-def _client_stream(method: str, fn: Callable[[Iterator[Any]], Any], on_rpc: OnRpc | None) -> Callable[..., Any]:
-    def call(request_iterator: Iterator[Any], context: grpc.ServicerContext) -> Any:
+def _client_stream(
+    method: str, fn: Callable[[Iterator[Any]], Any], parse: Parse, on_rpc: OnRpc | None
+) -> Callable[..., Any]:
+    def call(request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Any:
         obs = _Observed(method, on_rpc)
         try:
-            return fn(request_iterator)
+            return fn(parse(raw) for raw in request_iterator)
         except grpc.RpcError as exc:  # the client went away mid-stream
             obs.failed(exc)
             _abort(context, method, UnavailableError(f"stream broken by the client: {exc}"))
@@ -124,17 +132,22 @@ def _client_stream(method: str, fn: Callable[[Iterator[Any]], Any], on_rpc: OnRp
 
 
 def generic_handler(handler: Handler, on_rpc: OnRpc | None = None) -> grpc.GenericRpcHandler:
-    """Route every geofed.v1 method to `handler`, (de)serialising through rpc.serde; `on_rpc` sees each call."""
+    """Route every geofed.v1 method to `handler`, (de)serialising through rpc.serde; `on_rpc` sees each call.
+
+    Requests arrive as bytes and are parsed inside the handler: bytes that do not parse are bad input
+    (INVALID_ARGUMENT, naming the message), so INTERNAL (or UNKNOWN) always means a crash, logged with its stack."""
     table = {}
     for meth in serde.METHODS:
         fn = getattr(handler, snake(meth.name))
-        des, ser = serde.deserializer(meth.request), serde.serializer(meth.reply)
+        parse, ser = serde.deserializer(meth.request), serde.serializer(meth.reply)
         if meth.client_streaming:
-            table[meth.name] = grpc.stream_unary_rpc_method_handler(_client_stream(meth.name, fn, on_rpc), des, ser)
+            call = _client_stream(meth.name, fn, parse, on_rpc)
+            table[meth.name] = grpc.stream_unary_rpc_method_handler(call, None, ser)
         elif meth.server_streaming:
-            table[meth.name] = grpc.unary_stream_rpc_method_handler(_server_stream(meth.name, fn, on_rpc), des, ser)
+            call = _server_stream(meth.name, fn, parse, on_rpc)
+            table[meth.name] = grpc.unary_stream_rpc_method_handler(call, None, ser)
         else:
-            table[meth.name] = grpc.unary_unary_rpc_method_handler(_unary(meth.name, fn, on_rpc), des, ser)
+            table[meth.name] = grpc.unary_unary_rpc_method_handler(_unary(meth.name, fn, parse, on_rpc), None, ser)
     return grpc.method_handlers_generic_handler(serde.SERVICE, table)
 
 
