@@ -38,7 +38,9 @@ COMMANDS = {
     "--ttl 7d, default ps.token_ttl; a running PS sees it at once)",
     "token revoke": "revoke a token: token revoke ID, or every token of site=NAME (their sessions end)",
     "token list": "list the issued tokens: ids, sites, created, expires, revoked (never a secret)",
-    "data prepare": "tokenize data.source into site.num_sites token shards + a validation shard under RUN_DIR/data",
+    "data prepare": "tokenize data.source (a file, folder or glob of .txt/.jsonl/.jsonl.gz/.jsonl.zst/.parquet, or a "
+    "`datasets` save_to_disk folder) into site.num_sites token shards + validation under RUN_DIR/data, on "
+    "data.workers processes; an interrupted prepare continues",
 }
 # Commands whose first plain word (no '=') is the run directory.
 RUN_DIR_ARG = ("report", "wandb sync")

@@ -278,13 +278,18 @@ def cmd_token_list(cfg: RunConfig) -> int:
 
 
 def cmd_data_prepare(cfg: RunConfig) -> int:
-    from geofed_hpc.data.shards import prepare_shards
+    from geofed_hpc.data.prepare import prepare_shards
+    from geofed_hpc.data.tokenizer import run_tokenizer
 
     out = Path(cfg.run_dir).expanduser() / "data"
-    index = prepare_shards(cfg.data, out, cfg.site.shards)
+    tok = run_tokenizer(cfg)
+    index = prepare_shards(cfg.data, out, cfg.site.shards, tok)
     tokens = sum(s.tokens for s in index.train) + (index.val.tokens if index.val else 0)
-    print(f"{tokens:,} {index.dtype} tokens in {len(index.train)} site shards + validation under {out}")
-    print(f"train with: data.source={out}")
+    print(
+        f"{tokens:,} {index.dtype} tokens (largest id {index.max_id:,}, tokenizer {tok.name}) in {len(index.train)} "
+        f"site shards + validation under {out}"
+    )
+    print(f"train with: data.source={out}" + ("" if tok.name == "gpt2" else f" data.tokenizer={tok.name}"))
     return 0
 
 
