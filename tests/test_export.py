@@ -148,6 +148,8 @@ def test_bad_sources_and_outputs_are_one_line_and_leave_nothing(
         ["export", "hf", str(tmp_path / "stuff"), str(out)], capsys
     )
     assert "does not exist" in bad(["export", "hf", str(tmp_path / "nowhere"), str(out)], capsys)
+    message = bad(["export", "hf", str(tmp_path / "stuff" / "notes.txt"), str(out)], capsys)
+    assert "notes.txt is none of a run directory" in message and "not a geofed tensor file" in message
     message = bad(["export", "hf", str(ckpt), str(tmp_path / "stuff")], capsys)
     assert "stuff exists and is not empty" in message and "--force" in message
     message = bad(["export", "hf", str(ckpt), str(out), "model=tiny_llama"], capsys)

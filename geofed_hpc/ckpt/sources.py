@@ -110,9 +110,13 @@ def locate(src: Path, site: str = "") -> Located:
             raise ConfigError(f"--site {site}: no checkpoint in {ckpt}; the sites of {src}: {names}")
         return Located("site", ckpt, int(_meta(newest).get("version", 0)), _meta(newest).get("model"))
     if src.is_file():
-        if SNAPSHOT.match(src.name) or (not SITE.match(src.name) and "sessions" in _meta(src)):
+        try:
+            meta = {} if SNAPSHOT.match(src.name) or SITE.match(src.name) else _meta(src)
+        except ConfigError as exc:
+            raise ConfigError(f"{src} is none of {KINDS} ({exc})") from None
+        if SNAPSHOT.match(src.name) or "sessions" in meta:
             return _snapshot(src, src.parent.parent if src.parent.name == "ps" else None)
-        if SITE.match(src.name) or "syncs" in _meta(src):
+        if SITE.match(src.name) or "syncs" in meta:
             return _site(src)
     elif (src / BEST_INDEX).is_file():
         entries = BestCheckpoints(src).entries()
