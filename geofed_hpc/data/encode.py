@@ -8,15 +8,16 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tokenizers import Tokenizer as Backend
 
-from geofed_hpc.data.tokenizer import Tokenizer
+if TYPE_CHECKING:  # worker processes import this module: keep them light (no pydantic, no config)
+    from geofed_hpc.data.tokenizer import Tokenizer
 
 BATCH_CHARS = 1 << 18  # characters of text per unit of work
-IN_FLIGHT = 2  # units of work queued per worker (bounds memory, keeps every worker busy)
+IN_FLIGHT = 4  # units of work queued per worker (bounds memory, keeps every worker busy)
 # (text, separate): `separate` puts the end-of-text id before the text (it starts a document, not the first).
 Batch = list[tuple[str, bool]]
 _worker: dict[str, Any] = {}
