@@ -7,7 +7,9 @@ The corpus is made on the fly from the shipped Bible's verses: a .jsonl of docum
 verse to thousands (log-normal), and a .txt that is one very long line. Each run is `geofed-hpc data prepare` in its
 own process (GPT-2 tokenizer, 2 shards), timed from start to the written index. Reported per run: tokens/s (all
 tokens over the whole command's wall time), peak RSS (the largest sum over the command's process tree, its workers
-included, sampled every 50 ms) and the SHA-256 of every shard's ids in order (the two runs must agree).
+included, sampled every 50 ms), the SHA-256 of every shard's ids in order (the two runs must agree), and the CPU
+seconds the command and its workers got with `cores` = CPU seconds / wall seconds: on a shared machine this says
+how much of the machine a run actually had, which the tokens/s ratio depends on.
 Targets (the issue's): 2 workers >= 1.7x the tokens/s of 1; peak RSS <= 600 MB for either; identical ids.
 """
 
@@ -17,6 +19,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -81,6 +84,7 @@ def tree_rss(root: int) -> int:
 def prepare(corpus: Path, run_dir: Path, workers: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "geofed_hpc.cli", "data", "prepare", f"data.source={corpus}", f"run_dir={run_dir}"]
     cmd += [f"data.workers={workers}", "site.num_sites=2", "data.tokenizer=gpt2"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     peak = 0
@@ -88,6 +92,8 @@ def prepare(corpus: Path, run_dir: Path, workers: int) -> dict[str, Any]:
         peak = max(peak, tree_rss(proc.pid))
         time.sleep(0.05)
     seconds = time.monotonic() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the command and its workers (reaped): CPU it got
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     output = proc.stdout.read() if proc.stdout else ""
     if proc.returncode:
         raise SystemExit(f"data prepare with {workers} workers failed:\n{output}")
@@ -105,6 +111,8 @@ def prepare(corpus: Path, run_dir: Path, workers: int) -> dict[str, Any]:
         "ids_sha256": digest.hexdigest(),
         "tokens": tokens,
         "seconds": round(seconds, 2),
+        "cpu_seconds": round(cpu, 2),
+        "cores_used": round(cpu / seconds, 2),
     }
 
 
@@ -133,9 +141,10 @@ def main() -> None:
     print(f"corpus: {corpus['bytes'] / 1e6:.0f} MB, {corpus['documents']:,} documents, one line of "
           f"{corpus['long_line_bytes'] / 1e6:.0f} MB; {machine['cpus']} CPUs, load average {load_before[0]:.2f} "
           f"before, {load_after[0]:.2f} after")  # fmt: skip
-    print(f"{'workers':>8} {'tokens/s':>12} {'peak RSS MB':>12} {'seconds':>8}  ids sha256")
+    print(f"{'workers':>8} {'tokens/s':>12} {'peak RSS MB':>12} {'seconds':>8} {'CPU s':>8} {'cores':>6}  ids sha256")
     for r in rows:
         cells = f"{r['workers']:>8} {r['tokens_per_s']:>12,} {r['peak_rss_mb']:>12} {r['seconds']:>8}"
+        cells += f" {r['cpu_seconds']:>8} {r['cores_used']:>6}"
         print(f"{cells}  {r['ids_sha256'][:16]}")
     for name, t in targets.items():
         print(f"target {name}: {'met' if t['met'] else 'NOT met'} ({t.get('value', '')})")
