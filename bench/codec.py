@@ -79,7 +79,7 @@ def real_delta(args: argparse.Namespace) -> dict[str, np.ndarray]:
         context=args.context,
     )
     model = build_model(cfg, seed=0)
-    train, _ = split_tokens(load_tokens(DataConfig()), 0.02)
+    train, _ = split_tokens(load_tokens(DataConfig(tokenizer="gpt2")), 0.02)
     sampler = BatchSampler(train, args.batch, cfg.context, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     print(f"model: {num_params(model) / 1e6:.1f}M parameters; {args.warmup} warm-up + {args.steps} AdamW steps")

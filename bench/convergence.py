@@ -145,18 +145,19 @@ def prepare_data(args: argparse.Namespace, work: Path) -> Path:
     """Disjoint train shards, site i holding shards i, i+n, i+2n, ... (interleaved over the whole text unless
     --shards-per-site 1), and the one validation tail every method evaluates on."""
     from geofed_hpc.config import DataConfig
-    from geofed_hpc.data.shards import prepare_shards
+    from geofed_hpc.data.prepare import prepare_shards
 
     out = work / "data"
     count = len(args.speeds) * args.shards_per_site
-    prepare_shards(DataConfig(source="bible", cache_dir=args.cache_dir), out, count)
+    prepare_shards(DataConfig(tokenizer="gpt2", source="bible", cache_dir=args.cache_dir), out, count)
     return dev_split(out, args) if args.eval_on == "dev" else out
 
 
 def dev_split(data: Path, args: argparse.Namespace) -> Path:
     """A copy of the data whose evaluation set is the validation tail past the tokens the validation batches
     read: a development set to choose settings on, disjoint from the tokens results are read on."""
-    from geofed_hpc.data.shards import open_site_shards, read_index, write_index, write_part
+    from geofed_hpc.data.prepare import write_part
+    from geofed_hpc.data.shards import open_site_shards, read_index, write_index
 
     index = read_index(data)
     assert index.val is not None

@@ -115,11 +115,13 @@ def main() -> None:
         return
 
     from geofed_hpc.config import DataConfig
-    from geofed_hpc.data.shards import prepare_shards
+    from geofed_hpc.data.prepare import prepare_shards
 
     work = args.work or Path(tempfile.mkdtemp(prefix="paradigms-"))
     shards = work / "shards"
-    prepare_shards(DataConfig(source="bible", max_tokens=200_000, cache_dir=str(work / "cache")), shards, 2)
+    prepare_shards(
+        DataConfig(tokenizer="gpt2", source="bible", max_tokens=200_000, cache_dir=str(work / "cache")), shards, 2
+    )
     names = ["identity", *[n for n in args.only if n != "identity"]]  # the baseline always runs
     results = [run_paradigm(name, work, shards, args) for name in names]
     full = results[0]["bytes_per_round"]

@@ -93,7 +93,7 @@ def main() -> None:
 
     from geofed_hpc.cli import compose_config
     from geofed_hpc.config import CodecConfig, DataConfig, PSConfig, TrainConfig, to_dict
-    from geofed_hpc.data.shards import prepare_shards
+    from geofed_hpc.data.prepare import prepare_shards
     from geofed_hpc.models import build_model, num_params
     from geofed_hpc.ps.app import ParameterServer
 
@@ -101,7 +101,9 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     base, _ = compose_config([f"model={args.model}", f"model.context={args.context}", f"run_dir={work / 'run'}"])
     n = num_params(build_model(base.model, seed=0, device="meta"))
-    prepare_shards(DataConfig(source="bible", max_tokens=60000, cache_dir=str(work / "cache")), work / "data", 2)
+    prepare_shards(
+        DataConfig(tokenizer="gpt2", source="bible", max_tokens=60000, cache_dir=str(work / "cache")), work / "data", 2
+    )
     ps_cfg = PSConfig(host="127.0.0.1", port=0, state_dir=str(work / "ps"), round_timeout="10m")
     train = TrainConfig(
         batch_size=1, sync_interval="1h", max_local_steps=1, max_syncs=1000, threads=os.cpu_count() or 1

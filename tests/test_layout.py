@@ -54,7 +54,7 @@ ALLOWED = {
     "client": {"ckpt", "codec", "data", "metrics", "models", "paradigms", "rpc"},
     "ps": {"ckpt", "codec", "metrics", "paradigms", "rpc"},
     "launch": {"client", "metrics"},
-    "commands": {"data", "launch", "metrics", "ps", "rpc"},
+    "commands": {"ckpt", "data", "launch", "metrics", "models", "paradigms", "ps", "rpc"},
     "cli": {"commands", "geofed_hpc"},
     "testing": {"metrics"},
 }

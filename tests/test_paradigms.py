@@ -24,7 +24,7 @@ from geofed_hpc.config import (
     TrainConfig,
     to_dict,
 )
-from geofed_hpc.data.shards import prepare_shards
+from geofed_hpc.data.prepare import prepare_shards
 from geofed_hpc.errors import CheckpointError, ConfigError, StaleError
 from geofed_hpc.metrics import read_jsonl
 from geofed_hpc.models import build_model
@@ -54,7 +54,9 @@ LR = {"identity": 3e-3, "lora": 2e-2, "hybrid_lora": 3e-3, "ravan": 2e-2, "zo": 
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("shards")
     cache = tmp_path_factory.mktemp("cache")
-    prepare_shards(DataConfig(source="bible", max_tokens=30000, val_fraction=0.05, cache_dir=str(cache)), out, 2)
+    prepare_shards(
+        DataConfig(tokenizer="gpt2", source="bible", max_tokens=30000, val_fraction=0.05, cache_dir=str(cache)), out, 2
+    )
     return out
 
 

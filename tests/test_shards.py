@@ -11,7 +11,9 @@ import torch
 
 from geofed_hpc.config import DataConfig
 from geofed_hpc.data import BatchSampler, load_tokens
-from geofed_hpc.data.shards import INDEX, is_shard_dir, open_site_shards, prepare_shards, read_index, site_tokens
+from geofed_hpc.data.prepare import prepare_shards
+from geofed_hpc.data.shards import INDEX, is_shard_dir, open_site_shards, read_index, site_tokens
+from geofed_hpc.data.tokenizer import load_tokenizer
 from geofed_hpc.errors import ConfigError
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -26,7 +28,9 @@ def corpus(tmp_path: Path, docs: int = 40) -> Path:
 
 
 def prepared(tmp_path: Path, shards: int = 3) -> tuple[Path, DataConfig]:
-    cfg = DataConfig(source=str(corpus(tmp_path)), cache_dir=str(tmp_path / "cache"), val_fraction=0.1)
+    cfg = DataConfig(
+        tokenizer="gpt2", source=str(corpus(tmp_path)), cache_dir=str(tmp_path / "cache"), val_fraction=0.1
+    )
     out = tmp_path / "shards"
     prepare_shards(cfg, out, shards)
     return out, cfg
@@ -58,7 +62,7 @@ def test_more_shards_than_sites_are_dealt_round_robin(tmp_path: Path) -> None:
 
 def test_site_tokens_reads_a_shard_folder_and_samples_from_it(tmp_path: Path) -> None:
     out, cfg = prepared(tmp_path, shards=2)
-    train, val = site_tokens(DataConfig(source=str(out)), 50257, 1, 2)
+    train, val = site_tokens(DataConfig(tokenizer="gpt2", source=str(out)), 50257, 1, 2)
     np.testing.assert_array_equal(train, open_site_shards(out, 1, 2, "gpt2", 50257)[0])
     x, y = BatchSampler(train, 2, 8, seed=0).next_batch()
     assert x.shape == (2, 8) and int(x.max()) < 50257
@@ -70,8 +74,11 @@ def test_wrong_dtype_vocabulary_tokenizer_or_bytes_are_clear_errors(tmp_path: Pa
     out, _ = prepared(tmp_path, shards=2)
     with pytest.raises(ConfigError, match="model.vocab_size: is 1000 .* vocabulary of 50257"):
         open_site_shards(out, 0, 2, "gpt2", 1000)
-    with pytest.raises(ConfigError, match="data.tokenizer: is 'llama3' .* 'gpt2'"):
-        open_site_shards(out, 0, 2, "llama3", 50257)
+    other = tmp_path / "other" / "tokenizer.json"  # the same vocabulary, another file: another tokenizer
+    other.parent.mkdir()
+    other.write_text(load_tokenizer("gpt2").to_json())
+    with pytest.raises(ConfigError, match=f"data.tokenizer: is {other} .* was tokenized with gpt2"):
+        open_site_shards(out, 0, 2, str(other), 50257)
     index = json.loads((out / INDEX).read_text())
     (out / INDEX).write_text(json.dumps({**index, "dtype": "uint32"}))
     with pytest.raises(ConfigError, match="wrong dtype"):
@@ -95,18 +102,13 @@ def test_zero_tokens_bad_lines_and_unavailable_hub_are_clear_errors(tmp_path: Pa
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(ConfigError, match="zero tokens"):
-        prepare_shards(DataConfig(source=str(empty)), tmp_path / "a", 2)
+        prepare_shards(DataConfig(tokenizer="gpt2", source=str(empty)), tmp_path / "a", 2)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"txt": "no"}\n')
     with pytest.raises(ConfigError, match=r"bad.jsonl:2: .*\"text\" field"):
-        prepare_shards(DataConfig(source=str(bad)), tmp_path / "b", 1)
-    hub = DataConfig(source=str(empty))
-    hub.source = "hf:roneneldan/TinyStories:train"
-    try:
-        import datasets  # type: ignore[import-not-found]  # noqa: F401
-    except ImportError:
-        with pytest.raises(ConfigError, match="needs the `datasets` package"):
-            prepare_shards(hub, tmp_path / "c", 1)
+        prepare_shards(DataConfig(tokenizer="gpt2", source=str(bad)), tmp_path / "b", 1)
+    with pytest.raises(ConfigError, match="data.source: 'hf:roneneldan/TinyStories' is neither 'bible' nor"):
+        DataConfig(source="hf:roneneldan/TinyStories")
 
 
 def test_data_prepare_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -130,7 +132,7 @@ def test_a_site_config_with_first_shard_trains_that_shard(tmp_path: Path) -> Non
     cfg = RunConfig(
         site=SiteConfig(num_sites=1, first_shard=2, shard_count=3),
         model=ModelConfig(n_layers=1, d_model=16, n_heads=2, d_ff=32, context=8),
-        data=DataConfig(source=str(out)),
+        data=DataConfig(tokenizer="gpt2", source=str(out)),
         train=TrainConfig(batch_size=2),
     )
     runtime = build_runtime(cfg, 0)
@@ -147,7 +149,7 @@ def test_data_val_batch_size_keeps_the_validation_set_when_the_training_batch_ch
     model = ModelConfig(n_layers=1, d_model=16, n_heads=2, d_ff=32, context=8)
 
     def val(batch: int, val_batch_size: int) -> list[torch.Tensor]:
-        data = DataConfig(source=str(out), val_batches=3, val_batch_size=val_batch_size)
+        data = DataConfig(tokenizer="gpt2", source=str(out), val_batches=3, val_batch_size=val_batch_size)
         cfg = RunConfig(site=SiteConfig(num_sites=1), model=model, data=data, train=TrainConfig(batch_size=batch))
         return [x for x, _ in build_runtime(cfg, 0).group.val]
 

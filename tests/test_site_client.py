@@ -15,7 +15,7 @@ from geofed_hpc import codec
 from geofed_hpc.ckpt import CheckpointStore
 from geofed_hpc.ckpt.best import BestCheckpoints
 from geofed_hpc.config import CodecConfig, DataConfig, ModelConfig, RunConfig, SiteConfig, TrainConfig, to_dict
-from geofed_hpc.data.shards import prepare_shards
+from geofed_hpc.data.prepare import prepare_shards
 from geofed_hpc.errors import CheckpointError
 from geofed_hpc.metrics import read_jsonl
 from geofed_hpc.ps.app import ParameterServer
@@ -35,7 +35,9 @@ BATCH = 4
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("shards")
     cache = tmp_path_factory.mktemp("cache")
-    prepare_shards(DataConfig(source="bible", max_tokens=40000, val_fraction=0.05, cache_dir=str(cache)), out, 2)
+    prepare_shards(
+        DataConfig(tokenizer="gpt2", source="bible", max_tokens=40000, val_fraction=0.05, cache_dir=str(cache)), out, 2
+    )
     return out
 
 

@@ -11,7 +11,7 @@ import pytest
 from geofed_hpc.ckpt.best import BestCheckpoints
 from geofed_hpc.ckpt.tensorfile import load_tensors
 from geofed_hpc.config import DataConfig
-from geofed_hpc.data.shards import prepare_shards
+from geofed_hpc.data.prepare import prepare_shards
 from geofed_hpc.metrics import read_jsonl
 from tests.site_procs import Site
 from tests.test_site_client import make_ps, site_cfg
@@ -22,7 +22,9 @@ pytestmark = pytest.mark.slow
 def run_one_site(tmp_path: Path, steps: int, syncs: int, **train: Any) -> list[dict[str, Any]]:
     """One real site process against an async PS that asks `steps` local steps per sync; its metrics records."""
     shards = tmp_path / "shards"
-    data = DataConfig(source="bible", max_tokens=40000, val_fraction=0.05, cache_dir=str(tmp_path / "cache"))
+    data = DataConfig(
+        tokenizer="gpt2", source="bible", max_tokens=40000, val_fraction=0.05, cache_dir=str(tmp_path / "cache")
+    )
     prepare_shards(data, shards, 1)
     ps = make_ps(tmp_path, steps=steps, aggregation="async")
     site = Site(site_cfg(tmp_path, shards, syncs, sites=1, max_local_steps=0, **train), tmp_path, ps.address)

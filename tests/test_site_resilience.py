@@ -20,7 +20,7 @@ import pytest
 from geofed_hpc import codec
 from geofed_hpc.ckpt import CheckpointStore
 from geofed_hpc.config import CodecConfig, DataConfig, RunConfig, SiteConfig, TrainConfig, to_dict
-from geofed_hpc.data.shards import prepare_shards
+from geofed_hpc.data.prepare import prepare_shards
 from geofed_hpc.errors import UnavailableError
 from geofed_hpc.metrics import read_jsonl
 from geofed_hpc.ps.app import ParameterServer
@@ -40,7 +40,9 @@ FP32 = CodecConfig(name="fp32")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("shards")
     cache = tmp_path_factory.mktemp("cache")
-    prepare_shards(DataConfig(source="bible", max_tokens=40000, val_fraction=0.05, cache_dir=str(cache)), out, 2)
+    prepare_shards(
+        DataConfig(tokenizer="gpt2", source="bible", max_tokens=40000, val_fraction=0.05, cache_dir=str(cache)), out, 2
+    )
     return out
 
 

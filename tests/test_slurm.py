@@ -75,7 +75,7 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from geofed_hpc.data import load_tokens
 
     path = tmp_path_factory.mktemp("tokens")
-    load_tokens(DataConfig(cache_dir=str(path), max_tokens=60000, val_batches=2))
+    load_tokens(DataConfig(tokenizer="gpt2", cache_dir=str(path), max_tokens=60000, val_batches=2))
     return path
 
 

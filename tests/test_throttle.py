@@ -9,7 +9,7 @@ import pytest
 
 from geofed_hpc.client.throttle import Throttle
 from geofed_hpc.config import DataConfig, ModelConfig, RunConfig, SiteConfig, TrainConfig
-from geofed_hpc.data.shards import prepare_shards
+from geofed_hpc.data.prepare import prepare_shards
 from geofed_hpc.errors import ConfigError
 from geofed_hpc.rpc import messages as m
 
@@ -82,7 +82,9 @@ def test_the_site_step_loop_sleeps_after_every_real_step(tmp_path: Path) -> None
     from geofed_hpc.client.trainer import SiteTrainer
 
     shards = tmp_path / "shards"
-    prepare_shards(DataConfig(source="bible", max_tokens=8000, cache_dir=str(tmp_path / "cache")), shards, 1)
+    prepare_shards(
+        DataConfig(tokenizer="gpt2", source="bible", max_tokens=8000, cache_dir=str(tmp_path / "cache")), shards, 1
+    )
     cfg = RunConfig(
         run_dir=str(tmp_path / "run"),
         wandb_mode="disabled",

@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from collections.abc import Callable, Iterable
+import shutil
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from geofed_hpc.errors import ConfigError
 from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
 
@@ -92,3 +94,26 @@ def atomic_write_bytes(path: Path, data: Chunk | Iterable[Chunk]) -> None:
             tmp.unlink()
         raise
     fsync_dir(directory)
+
+
+@contextlib.contextmanager
+def atomic_dir(out: Path, force: bool = False, flag: str = "--force") -> Iterator[Path]:
+    """A hidden folder beside `out` to write into; renamed to `out` when the block succeeds, removed when it fails,
+    so `out` is never half-written. An `out` that exists and is not empty is refused unless `force` (then replaced)."""
+    out = Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise ConfigError(f"{out} exists and is not empty; choose another folder, or pass {flag} to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f"{temp_prefix(out)}{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        old = out.parent / f"{temp_prefix(out)}old-{secrets.token_hex(4)}" if out.exists() else None
+        if old is not None:
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        fsync_dir(out.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

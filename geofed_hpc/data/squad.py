@@ -62,6 +62,8 @@ def read_squad(path: Path) -> list[QAExample]:
 
 def split_examples(cfg: DataConfig, site: int, sites: int) -> tuple[list[QAExample], list[QAExample]]:
     """(this site's train questions, the shared validation questions: the last data.val_fraction, at least 1)."""
+    if cfg.tokenizer not in ("", "gpt2"):
+        raise ConfigError(f"data.tokenizer: SQuAD-format data is tokenized with gpt2 only; got {cfg.tokenizer}")
     examples = read_squad(Path(cfg.source).expanduser())
     n_val = max(1, round(len(examples) * cfg.val_fraction))
     train, val = examples[:-n_val], examples[-n_val:]

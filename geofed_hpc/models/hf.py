@@ -13,6 +13,7 @@ from torch import nn
 from geofed_hpc.config import ModelConfig
 from geofed_hpc.errors import ConfigError
 from geofed_hpc.log import logger
+from geofed_hpc.models.hfconfig import check_config
 
 # (pattern on the Hugging Face name, our name template, transpose?) — GPT-2's Conv1D stores [in, out].
 _GPT2 = [
@@ -43,21 +44,6 @@ _LLAMA = [
 _RULES = {"gpt2": _GPT2, "llama": _LLAMA}
 # Buffers some exports carry that are not parameters.
 _IGNORED = re.compile(r"(.*\.attn\.(masked_)?bias|.*\.rotary_emb\.inv_freq)$")
-# Hugging Face config.json keys -> ours, per architecture (checked when the file is there).
-_CONFIG_KEYS = {
-    "gpt2": {"vocab_size": "vocab_size", "n_embd": "d_model", "n_layer": "n_layers", "n_head": "n_heads"},
-    "llama": {
-        "vocab_size": "vocab_size",
-        "hidden_size": "d_model",
-        "num_hidden_layers": "n_layers",
-        "num_attention_heads": "n_heads",
-        "num_key_value_heads": "kv_heads",
-        "intermediate_size": "d_ff",
-        "rope_theta": "rope_theta",
-        "rms_norm_eps": "norm_eps",
-        "tie_word_embeddings": "tie_embeddings",
-    },
-}
 
 
 def map_name(arch: str, hf_name: str) -> tuple[str, bool] | None:
@@ -99,13 +85,9 @@ def _check_config(cfg: ModelConfig, folder: Path) -> None:
         hf = json.loads(file.read_text())
     except ValueError as exc:
         raise ConfigError(f"model.init_from: {file} is not valid JSON ({exc})") from exc
-    for hf_key, ours in _CONFIG_KEYS[cfg.arch].items():
-        if hf_key in hf and hf[hf_key] != getattr(cfg, ours):
-            field = "n_kv_heads" if ours == "kv_heads" else ours
-            raise ConfigError(
-                f"model.{field}: is {getattr(cfg, ours)!r} but the checkpoint's {file} has {hf_key}={hf[hf_key]!r}; "
-                "use the model config that matches the checkpoint"
-            )
+    if not isinstance(hf, dict):
+        raise ConfigError(f"model.init_from: {file} is not a Hugging Face config (not a JSON object)")
+    check_config(cfg, hf, str(file))
 
 
 def load_hf_checkpoint(model: nn.Module, path: str | Path) -> None:

@@ -27,18 +27,21 @@ class RMSNorm(nn.Module):
 
 
 def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] for RoPE base rope_theta, with Llama 3 scaling when rope_scaling > 1."""
+    """Inverse frequencies [head_dim/2] for RoPE base rope_theta, with Llama 3 scaling when rope_scaling > 1,
+    computed in float32 step by step as `transformers` does, so that long contexts agree to the last bit."""
     dim = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
     if cfg.rope_scaling > 1.0:
-        # Llama 3.1+ "llama3" rope_type: low_freq_factor 1, high_freq_factor 4 (as the published configs set).
-        low_factor, high_factor, old = 1.0, 4.0, float(cfg.rope_original_context)
-        low_wavelen, high_wavelen = old / low_factor, old / high_factor
+        factor, low, high = cfg.rope_scaling, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        old = cfg.rope_original_context
+        low_wavelen, high_wavelen = old / low, old / high
         wavelen = 2 * math.pi / inv
-        smooth = (old / wavelen - low_factor) / (high_factor - low_factor)
-        mid = (1 - smooth) * inv / cfg.rope_scaling + smooth * inv
-        inv = torch.where(wavelen > low_wavelen, inv / cfg.rope_scaling, torch.where(wavelen < high_wavelen, inv, mid))
-    return inv.float()
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

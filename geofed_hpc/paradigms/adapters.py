@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from geofed_hpc.config import ParadigmConfig
+from geofed_hpc.config.train import DEFAULT_TARGETS
 from geofed_hpc.errors import ConfigError
 
 
@@ -29,8 +30,11 @@ def _pattern_names(names: list[str]) -> list[str]:
 
 
 def select_targets(model: nn.Module, targets: list[str]) -> dict[str, nn.Linear]:
-    """The nn.Linear layers named by `targets` (a full name or a dotted suffix); every target must match."""
+    """The nn.Linear layers named by `targets` (a full name or a dotted suffix); every target must match. No
+    targets: the model family's attention layers (DEFAULT_TARGETS)."""
     layers = linear_layers(model)
+    arch = getattr(getattr(model, "cfg", None), "arch", "gpt2")
+    targets = targets or DEFAULT_TARGETS.get(arch, [])
     chosen: dict[str, nn.Linear] = {}
     for target in targets:
         hits = {n: m for n, m in layers.items() if n == target or n.endswith("." + target)}
