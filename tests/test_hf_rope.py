@@ -28,16 +28,13 @@ ROPE = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "origin
 @pytest.mark.parametrize("option", ["llama3_1b", "tiny_llama"])
 def test_rope_frequencies_are_transformers_bit_for_bit(option: str) -> None:
     from transformers import LlamaConfig
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     cfg = compose_config([f"model={option}"])[0].model
     written = hf_config(cfg, "fp32", 0, 1)
     hf = LlamaConfig(**{k: v for k, v in written.items() if k not in ("rope_theta", "rope_scaling")})
-    if cfg.rope_scaling > 1:
-        theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, torch.device("cpu"))
-    else:
-        theirs, _ = LlamaRotaryEmbedding.compute_default_rope_parameters(hf, torch.device("cpu"))
+    theirs = LlamaRotaryEmbedding(hf).inv_freq  # what the model itself uses (on the CPU)
+    assert (cfg.rope_scaling > 1) == (hf.rope_parameters["rope_type"] == "llama3")
     assert torch.equal(rope_frequencies(cfg), theirs)
 
 
