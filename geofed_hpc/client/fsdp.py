@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -116,6 +117,17 @@ def _check_state(model: nn.Module, state: Mapping[str, Any], names: list[str]) -
         shape = tuple(param.shape)  # a DTensor reports its global shape
         if tuple(state[name].shape) != shape:
             raise ProtocolError(f"{name}: global shape {tuple(state[name].shape)} != local shape {shape}")
+
+
+def check_arrays(model: nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
+    """Names and shapes of full arrays against the model (before any rank is asked to load them)."""
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    missing, extra = sorted(set(shapes) - set(arrays)), sorted(set(arrays) - set(shapes))
+    if missing or extra:
+        raise ProtocolError(f"model state does not match this model: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, shape in shapes.items():
+        if tuple(arrays[name].shape) != shape:
+            raise ProtocolError(f"{name}: incoming shape {tuple(arrays[name].shape)} != this model's {shape}")
 
 
 def _with_tied(model: nn.Module, state: Mapping[str, Any]) -> dict[str, torch.Tensor]:

@@ -178,7 +178,7 @@ class SiteTrainer:
             self.sync.rec.log({"val/local_loss": loss, "train/step": draws, "sync/version": self.sync.version})
         if self.ckpt.best.would_keep(loss):
             path = self.ckpt.save(pending=self.interval.pending(steps, loss_sum))
-            self.ckpt.best.offer(path, loss, draws, name=f"{path.stem}-step{draws:09d}{path.suffix}")
+            self.ckpt.offer_best(path, loss, draws, name=f"{path.stem}-step{draws:09d}{path.suffix}")
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> dict[str, Any]:
