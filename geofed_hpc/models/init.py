@@ -56,7 +56,9 @@ def standard_rules(model: nn.Module, residual: tuple[str, ...], n_layers: int) -
 def initial_tensor(
     rule: InitRule, shape: tuple[int, ...], seed: int, name: str, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """The full float32 initial value of one parameter."""
+    """The full float32 initial value of one parameter (on meta: its shape only, nothing drawn)."""
+    if torch.device(device).type == "meta":
+        return torch.empty(shape, device="meta")
     if rule.kind == "ones":
         return torch.ones(shape, device=device)
     if rule.kind == "zeros":
