@@ -19,6 +19,15 @@ from geofed_hpc.metrics import read_jsonl
 POLL_S = 0.5
 
 
+def check_local_device(cfg: RunConfig) -> None:
+    """train.device=cuda for sites that run on this machine: ConfigError now, saying why, when its torch cannot
+    use a GPU (torch is imported only then)."""
+    if cfg.train.device == "cuda":
+        from geofed_hpc.client.devices import check_device
+
+        check_device(cfg.train.device)
+
+
 def submit_local_sites(cfg: RunConfig, ps_address: str) -> list[submitit.Job]:
     """Submit `site.num_sites` ClientJobs, each `site.tasks_per_node` processes, through submitit's LocalExecutor."""
     run_dir = Path(cfg.run_dir).resolve()
