@@ -9,7 +9,8 @@ the meta device and initialised shard by shard, exactly as a site job does (clie
 is probed upward (catching CUDA out-of-memory; the cache is ignored with --fresh-probe) for a site batch of
 --batch sequences, then --steps timed local steps. Baseline in the same run: a few steps at micro-batch 1.
 MFU = model FLOPs per second / the GPUs' peak dense bf16 (or fp16/fp32) FLOPs; model FLOPs per token are
-6 N + 12 L d T (N parameters without the embedding, L layers, width d, context T: the PaLM count).
+6 N + 12 L d T (N the parameters that multiply, i.e. without an untied embedding lookup; L layers, width d,
+context T: the PaLM count).
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ def peak_tflops(name: str, precision: str, given: float) -> float:
 
 
 def flops_per_token(cfg: Any, n_params: int) -> float:
-    """6 N + 12 L d T, N without the token embedding (PaLM, appendix B)."""
-    embedding = cfg.vocab_size * cfg.d_model
-    return 6 * (n_params - embedding) + 12 * cfg.n_layers * cfg.d_model * cfg.context
+    """6 N + 12 L d T (PaLM, appendix B), N the parameters that multiply: all but the embedding lookup (a tied
+    output layer shares it and does multiply, so then N is every parameter)."""
+    lookup = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
+    return 6 * (n_params - lookup) + 12 * cfg.n_layers * cfg.d_model * cfg.context
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:

@@ -105,6 +105,9 @@ class Gathered(Mapping[str, np.ndarray]):
             raise KeyError(name)
         return self.fetch(name)
 
+    def __contains__(self, name: object) -> bool:  # a membership test gathers nothing
+        return name in self.names
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
 
