@@ -78,7 +78,6 @@ class SiteGroup:
         self.stopped = False
         self.signal = 0  # a stop signal this rank received (followers report it with each step)
         self.shard_root: Path | None = None  # where a multi-rank site's DCP checkpoints go (every rank)
-        self._names = param_names(self.model)
         self._comm = stepper.device if stepper.device.type == "cuda" else torch.device("cpu")
 
     # ------------------------------------------------------------------ command channel
@@ -166,13 +165,13 @@ class SiteGroup:
         the parameters: use them before the next step (encode, subtract, write), never keep them. In a multi-rank
         site each is gathered from the shards when it is read (sharded.Gathered): one full parameter at a time."""
         if self.multi:
-            return Gathered(self._names, self._gather_param)
+            return Gathered(param_names(self.model), self._gather_param)
         with self._collective(Cmd.GATHER_MODEL):
             state = full_state(self.model)
         return {k: v.numpy() for k, v in state.items()}
 
     def _gather_param(self, name: str) -> np.ndarray:
-        with self._collective(Cmd.GATHER_PARAM, self._names.index(name)):
+        with self._collective(Cmd.GATHER_PARAM, param_names(self.model).index(name)):
             return gather_param(self.model, name)
 
     def save_shards(self, stamp: int) -> Path:
@@ -296,7 +295,7 @@ class SiteGroup:
             elif cmd == Cmd.GATHER_MODEL:
                 full_state(self.model)
             elif cmd == Cmd.GATHER_PARAM:
-                gather_param(self.model, self._names[int(args[0])])
+                gather_param(self.model, param_names(self.model)[int(args[0])])
             elif cmd in (Cmd.SAVE_SHARDS, Cmd.LOAD_SHARDS):
                 assert self.shard_root is not None
                 run = save_shards if cmd == Cmd.SAVE_SHARDS else load_shards
