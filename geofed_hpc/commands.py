@@ -42,7 +42,9 @@ def cmd_launch(cfg: RunConfig) -> int:
     if OPTIONS.dry_run:
         print(f"site {cfg.site.name} runs {cfg.site.num_sites} processes here (submitit LocalExecutor): no sbatch file")
         return 0
-    from geofed_hpc.launch.local import launch_local
+    from geofed_hpc.launch.local import check_local_device, launch_local
+
+    check_local_device(cfg)  # the sites run here: train.device=cuda without a GPU fails now, not in each job
     from geofed_hpc.ps.app import ParameterServer
     from geofed_hpc.rpc.client import PSClient
 

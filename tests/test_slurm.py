@@ -336,3 +336,43 @@ def test_a_short_time_limit_requeues_and_the_job_resumes(cluster: None, cache: P
     cfg, _ = compose_config(["site=slurm_local", *args])
     check_nothing_lost_or_applied_twice(run_dir, ps.address, [site], cfg.train.batch_size * cfg.model.context)
     print(f"\ntime limit: signal -> first training step after requeue {back['time'] - signal_at['time']:.1f}s")
+
+
+def test_one_site_runs_as_two_tasks_of_one_job_and_resumes_from_its_shards(
+    cluster: None, cache: Path, ps: Any, tmp_path: Path
+) -> None:
+    """site.tasks_per_node=2: srun starts two tasks of one job, one process each, that meet at the allocation's
+    first node (gloo), shard the model (FSDP2), write DCP shards each, and come back from them after USR2."""
+    run_dir = tmp_path / "run"
+    extra = ["site.name=tasks", "site.num_sites=1", "site.tasks_per_node=2", "site.mem_gb=2"]
+    args = [*tiny(run_dir, cache, ps.address), *extra]
+    jobs = launch(args, tmp_path)
+    site, job = next(iter(jobs.items()))
+    submitted = Path(job.stdout).parent / f"{job.job_id}_submission.sh"
+    text = submitted.read_text()
+    assert "#SBATCH --ntasks-per-node=2" in text and "srun " in text
+    watch = Watch(jobs)
+    watch.until(f"{site} to push twice", pushes_reach(ps.address, site, 2))
+    logs = [Path(job.stderr.replace("_0_log.err", f"_{t}_log.err")) for t in (0, 1)]
+    texts = [log.read_text() for log in logs]
+    assert "rank 0/2" in texts[0] and "gloo process group" in texts[0], texts[0][-3000:]
+    assert "rank 1/2" in texts[1], texts[1][-3000:]
+    store = CheckpointStore(run_dir / "sites" / site / "ckpt", prefix="site")
+    loaded = watch.until("a checkpoint", store.load_latest)
+    tensors, meta, path = loaded
+    assert meta["shards"]["world_size"] == 2 and not any(k.startswith("model/") for k in tensors)
+    assert (path.parent / meta["shards"]["dir"] / ".metadata").is_file()  # DCP: both ranks wrote their shard
+
+    subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True)  # requeue: both tasks come back
+    watch.until(f"{site} to catch USR2", lambda: find(run_dir, site, "signal", signal="SIGUSR2", restarts=0))
+    watch.until(f"{site} to train again", lambda: find(run_dir, site, "first_step", restarts=1))
+    pushed = ps_view(ps.address)[1][site][0]
+    watch.until(f"{site} to keep pushing", pushes_reach(ps.address, site, pushed + 1))
+    sources = [
+        r["resume/source"] for r in read_jsonl(run_dir / "metrics" / f"{site}.metrics.jsonl") if "resume/source" in r
+    ]
+    assert sources[0] == "fresh" and sources[1] in ("local", "global")
+    assert cli(["cancel", "site=slurm_local", *args], tmp_path).returncode == 0
+    watch.until("the job to end", lambda: not slurm.job_states([job.job_id])[job.job_id].active)
+    cfg, _ = compose_config(["site=slurm_local", *args])
+    check_nothing_lost_or_applied_twice(run_dir, ps.address, [site], cfg.train.batch_size * cfg.model.context)

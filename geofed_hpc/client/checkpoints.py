@@ -13,12 +13,14 @@ import numpy as np
 
 from geofed_hpc.ckpt import CheckpointStore, atomic_write_bytes
 from geofed_hpc.ckpt.best import BestCheckpoints
+from geofed_hpc.ckpt.tensorfile import load_tensors
 from geofed_hpc.client.deferred import Deferred
 from geofed_hpc.client.evaluation import Evaluation
 from geofed_hpc.client.group import SiteGroup
 from geofed_hpc.client.link import PSLink
 from geofed_hpc.client.progress import Progress
 from geofed_hpc.client.replica import Replica
+from geofed_hpc.client.sharded import ShardIndex, new_stamp, shard_meta, stamp_of
 from geofed_hpc.client.uplink import Uplink
 from geofed_hpc.config import RunConfig, to_dict
 from geofed_hpc.data import BatchSampler
@@ -79,6 +81,9 @@ class SiteCheckpoints:
         self.cfg, self.parts, self.job_id = cfg, parts, job_id
         self.store = CheckpointStore(directory, prefix="site", keep=2)
         self.best = BestCheckpoints(directory / "best", keep=cfg.train.keep_best)
+        self.index = ShardIndex(directory)  # multi-rank sites: the DCP shard folders each file refers to
+        parts.group.shard_root = directory
+        self.stamp = 0
 
     def record_push(self, header: m.PushHeader, draws: int, tokens_seen: int, syncs_after: int) -> None:
         """Before a push goes out: what it carries, on disk (push.json). A job killed after the PS applied it and
@@ -113,8 +118,14 @@ class SiteCheckpoints:
         """Checkpoint; `pending`: unpushed work (kept with its base, and what of it is deferred), `pushed`: the
         delta is in. Returns the file written."""
         p = self.parts
-        tensors: dict[str, np.ndarray] = {f"model/{k}": v for k, v in p.group.model_arrays().items()}
-        tensors.update(p.group.optimizer_arrays())  # optim/<param>/<key>, gathered from every rank
+        tensors: dict[str, np.ndarray] = {}
+        shards: dict[str, Any] | None = None
+        if p.group.multi:  # each rank writes its shard of the model and optimizer (DCP); the file refers to them
+            self.stamp = new_stamp(self.stamp)
+            shards = shard_meta(p.group.save_shards(self.stamp), p.group.world_size)
+        else:
+            tensors.update({f"model/{k}": v for k, v in p.group.model_arrays().items()})
+            tensors.update(p.group.optimizer_arrays())  # optim/<param>/<key>
         tensors.update(p.group.rng_state())
         if pending:  # the model is ahead of its base: resuming must be able to push local - base
             tensors.update({f"base/{k}": v for k, v in p.replica.base.items()})
@@ -140,16 +151,39 @@ class SiteCheckpoints:
             "contribution_total": p.progress.contribution_total,
             "scaler": p.group.stepper.scaler_state(),
             "model": model_shape(self.cfg),
+            **({"shards": shards} if shards else {}),
         }
+        if shards:
+            self.index.add(self.store.path_for(syncs).name, shards["dir"])
         path = self.store.save(syncs, tensors, meta)
+        if shards:
+            self.index.settle(path.name, shards["dir"])
         if meta["global_model"] and p.evaluation.version == p.replica.version:  # val_loss is this model's
-            self.best.offer(path, p.evaluation.val_loss, syncs)
+            self.offer_best(path, p.evaluation.val_loss, syncs, shards=shards)
         return path
+
+    def offer_best(
+        self, path: Path, loss: float, step: int, name: str | None = None, shards: dict[str, Any] | None = None
+    ) -> bool:
+        """Offer checkpoint `path` to the best ones (train.keep_best); its shards stay while it is kept."""
+        name = name or path.name
+        if shards is None and self.parts.group.multi:
+            shards = self._shards_of(path)
+        if shards:
+            self.index.add(f"best/{name}", shards["dir"])
+        kept = self.best.offer(path, loss, step, name=name)
+        if shards:
+            self.index.settle(f"best/{name}", shards["dir"])
+        return kept
+
+    def _shards_of(self, path: Path) -> dict[str, Any] | None:
+        folders = self.index.read().get(path.name, [])
+        return {"dir": folders[-1]} if folders else None
 
     def load(self, fresh: Callable[[], Params] | None = None) -> Restored | None:
         """Load the newest readable checkpoint into the parts. None: there is none (then `fresh()`, if given, is
         loaded: the model was built uninitialised for a checkpoint that turned out unreadable)."""
-        loaded = self.store.load_latest()
+        loaded = self._latest()
         if loaded is None:
             if fresh is not None:
                 self.parts.group.load_model(fresh())
@@ -157,9 +191,15 @@ class SiteCheckpoints:
         tensors, meta, path = loaded
         self._check_model(meta, path)
         p = self.parts
-        model = {k[6:]: v for k, v in tensors.items() if k.startswith("model/")}
-        p.group.load_model(model)
-        p.group.load_optimizer({k: v for k, v in tensors.items() if k.startswith("optim/")})
+        shards = meta.get("shards")
+        if shards:
+            self._load_shards(shards, path)
+            # the global model this checkpoint holds is the base of a resume that does not pull
+            model = dict(p.group.model_arrays()) if meta.get("global_model") else {}
+        else:
+            model = {k[6:]: v for k, v in tensors.items() if k.startswith("model/")}
+            p.group.load_model(model)
+            p.group.load_optimizer({k: v for k, v in tensors.items() if k.startswith("optim/")})
         p.group.set_rng_state(tensors)
         p.group.set_scaler_state(meta.get("scaler") or {})
         p.replica.base = {k[5:]: v for k, v in tensors.items() if k.startswith("base/")}
@@ -183,6 +223,37 @@ class SiteCheckpoints:
             f", {pending['steps']:g} unpushed steps" if pending else "",
         )
         return Restored(meta, model, path)
+
+    def _latest(self) -> tuple[dict[str, np.ndarray], dict[str, Any], Path] | None:
+        """The newest checkpoint that loads, with its shard folder when it has one (else an older one)."""
+        for _, path in reversed(self.store.files()):
+            try:
+                tensors, meta = load_tensors(path)
+            except CheckpointError as exc:
+                logger.warning("skipping unreadable checkpoint %s, trying an older one: %s", path, exc)
+                continue
+            folder = (meta.get("shards") or {}).get("dir")
+            if folder and not (self.store.directory / str(folder)).is_dir():
+                logger.warning("skipping checkpoint %s: its shards %s are gone, trying an older one", path, folder)
+                continue
+            return tensors, meta, path
+        return None
+
+    def _load_shards(self, shards: dict[str, Any], path: Path) -> None:
+        """Every rank reads its shard; written by another number of ranks, DCP reshards them (and we say so)."""
+        group, written = self.parts.group, int(shards.get("world_size", 0))
+        if written != group.world_size:
+            logger.warning(
+                "%s: checkpoint %s was written by %d ranks, this job has %d: resharding its model and optimizer",
+                self.parts.replica.name,
+                path.name,
+                written,
+                group.world_size,
+            )
+        try:
+            group.load_shards(stamp_of(str(shards["dir"])))
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"cannot read the shards {shards['dir']} of checkpoint {path}: {exc}") from exc
 
     def _check_model(self, meta: dict[str, Any], path: Path) -> None:
         ours = model_shape(self.cfg)

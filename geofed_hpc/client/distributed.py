@@ -9,10 +9,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from geofed_hpc.client import devices
 from geofed_hpc.client.ranks import SiteRanks as SiteRanks
 from geofed_hpc.client.ranks import port_for as port_for
 from geofed_hpc.client.ranks import site_ranks as site_ranks
-from geofed_hpc.errors import ConfigError
 from geofed_hpc.log import logger
 
 # How long `wait_released` waits for the process group's threads to let go of a collective's tensor.
@@ -21,17 +21,9 @@ RELEASE_LINGER = timedelta(milliseconds=20)
 
 
 def pick_device(ranks: SiteRanks, want: str = "auto") -> torch.device:
-    """cuda:local_rank when a GPU is there (and `want` is auto or cuda), else cpu."""
-    if want not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"device: must be auto, cpu or cuda, got {want!r}")
-    if want == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device: cuda was asked for but no GPU is visible to this task")
-    if want != "cpu" and torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        index = ranks.local_rank % count
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device("cpu")
+    """cuda:local_rank when a GPU is there (and `want` is auto or cuda), else cpu; cuda without a usable GPU is a
+    ConfigError saying why (client/devices.py)."""
+    return devices.pick_device(ranks.local_rank, want)
 
 
 def init_distributed(ranks: SiteRanks, device: torch.device, timeout: timedelta) -> bool:

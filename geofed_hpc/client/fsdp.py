@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -16,9 +17,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from geofed_hpc.client.precision import Precision
-from geofed_hpc.errors import ProtocolError
+from geofed_hpc.errors import ConfigError, ProtocolError
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -31,6 +33,41 @@ def shard_model(model: nn.Module, precision: Precision, reshard_after_forward: b
         fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model
+
+
+@torch.no_grad()
+def load_streamed(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], what: str) -> int:
+    """Copy full tensors, given one at a time on every rank, into this rank's shards (or the parameters of an
+    unsharded model): peak memory is the shards plus one full tensor. Every parameter must come exactly once.
+    No collective: each rank keeps its slice. Returns the tensors loaded."""
+    params = dict(model.named_parameters())
+    done: set[str] = set()
+    for name, full in tensors:
+        param = params.get(name)
+        if param is None:
+            raise ConfigError(f"{what}: holds {name!r}, which this model does not have")
+        if tuple(full.shape) != tuple(param.shape):
+            raise ConfigError(
+                f"{what}: {name} has shape {tuple(full.shape)} but the model needs {tuple(param.shape)}; use the "
+                "model config that matches it"
+            )
+        value = full.to(param.device, param.dtype)
+        if isinstance(param, DTensor):
+            local = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(value)
+        done.add(name)
+        del full, value
+    missing = sorted(set(params) - done)
+    if missing:
+        raise ConfigError(f"{what}: lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}")
+    return len(done)
+
+
+def local_numel(model: nn.Module) -> int:
+    """Parameters this rank holds (its shards under FSDP2)."""
+    return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -80,6 +117,17 @@ def _check_state(model: nn.Module, state: Mapping[str, Any], names: list[str]) -
         shape = tuple(param.shape)  # a DTensor reports its global shape
         if tuple(state[name].shape) != shape:
             raise ProtocolError(f"{name}: global shape {tuple(state[name].shape)} != local shape {shape}")
+
+
+def check_arrays(model: nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
+    """Names and shapes of full arrays against the model (before any rank is asked to load them)."""
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    missing, extra = sorted(set(shapes) - set(arrays)), sorted(set(arrays) - set(shapes))
+    if missing or extra:
+        raise ProtocolError(f"model state does not match this model: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, shape in shapes.items():
+        if tuple(arrays[name].shape) != shape:
+            raise ProtocolError(f"{name}: incoming shape {tuple(arrays[name].shape)} != this model's {shape}")
 
 
 def _with_tied(model: nn.Module, state: Mapping[str, Any]) -> dict[str, torch.Tensor]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from enum import IntEnum
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,12 +15,14 @@ from torch import nn
 
 from geofed_hpc.client.distributed import holders, wait_released
 from geofed_hpc.client.fsdp import (
+    check_arrays,
     full_optimizer_state,
     full_state,
     load_full_optimizer_state,
     load_full_state,
     param_names,
 )
+from geofed_hpc.client.sharded import Gathered, gather_param, load_shards, save_shards
 from geofed_hpc.client.steps import Stepper
 from geofed_hpc.data import BatchSampler
 from geofed_hpc.data.squad import QAExample, QASampler, greedy_answers, score
@@ -41,6 +44,9 @@ class Cmd(IntEnum):
     SET_RNG = 7
     SET_SCALER = 8
     QA = 9
+    GATHER_PARAM = 10
+    SAVE_SHARDS = 11
+    LOAD_SHARDS = 12
 
 
 class SiteGroup:
@@ -71,6 +77,7 @@ class SiteGroup:
         self.broken = False  # an error inside a collective: the ranks are out of step, send nothing more
         self.stopped = False
         self.signal = 0  # a stop signal this rank received (followers report it with each step)
+        self.shard_root: Path | None = None  # where a multi-rank site's DCP checkpoints go (every rank)
         self._comm = stepper.device if stepper.device.type == "cuda" else torch.device("cpu")
 
     # ------------------------------------------------------------------ command channel
@@ -153,12 +160,31 @@ class SiteGroup:
     def _answers(self) -> list[str]:
         return greedy_answers(self.model, self.questions, self.sampler.context, self.stepper.device)
 
-    def model_arrays(self) -> Params:
+    def model_arrays(self) -> Mapping[str, np.ndarray]:
         """Full float32 parameters by name (tied once), on rank 0. In a one-process site on CPU these are views of
-        the parameters: use them before the next step (encode, subtract, write), never keep them."""
+        the parameters: use them before the next step (encode, subtract, write), never keep them. In a multi-rank
+        site each is gathered from the shards when it is read (sharded.Gathered): one full parameter at a time."""
+        if self.multi:
+            return Gathered(param_names(self.model), self._gather_param)
         with self._collective(Cmd.GATHER_MODEL):
             state = full_state(self.model)
         return {k: v.numpy() for k, v in state.items()}
+
+    def _gather_param(self, name: str) -> np.ndarray:
+        with self._collective(Cmd.GATHER_PARAM, param_names(self.model).index(name)):
+            return gather_param(self.model, name)
+
+    def save_shards(self, stamp: int) -> Path:
+        """Every rank writes its shard of the model and optimizer into shard_root/shards-<stamp> (DCP)."""
+        assert self.shard_root is not None
+        with self._collective(Cmd.SAVE_SHARDS, float(stamp)):
+            return save_shards(self.model, self.optimizer, self.shard_root, stamp)
+
+    def load_shards(self, stamp: int) -> None:
+        """Every rank reads its shard of the model and optimizer from shard_root/shards-<stamp>."""
+        assert self.shard_root is not None
+        with self._collective(Cmd.LOAD_SHARDS, float(stamp)):
+            load_shards(self.model, self.optimizer, self.shard_root, stamp)
 
     def optimizer_arrays(self) -> Params:
         """The optimizer state as `optim/<param>/<key>` float32 arrays, on rank 0 (views, as model_arrays)."""
@@ -268,6 +294,12 @@ class SiteGroup:
                 self._answers()
             elif cmd == Cmd.GATHER_MODEL:
                 full_state(self.model)
+            elif cmd == Cmd.GATHER_PARAM:
+                gather_param(self.model, param_names(self.model)[int(args[0])])
+            elif cmd in (Cmd.SAVE_SHARDS, Cmd.LOAD_SHARDS):
+                assert self.shard_root is not None
+                run = save_shards if cmd == Cmd.SAVE_SHARDS else load_shards
+                run(self.model, self.optimizer, self.shard_root, int(args[0]))
             elif cmd == Cmd.GATHER_OPTIM:
                 full_optimizer_state(self.model, self.optimizer)
             elif cmd == Cmd.LOAD_MODEL:
@@ -278,14 +310,3 @@ class SiteGroup:
                 self._set_rng(torch.zeros(int(args[0]), dtype=torch.uint8), None)
             elif cmd == Cmd.SET_SCALER:
                 self.stepper.load_scaler_state({"scale": args[0], "_growth_tracker": int(args[1])})
-
-
-def check_arrays(model: nn.Module, arrays: Mapping[str, np.ndarray]) -> None:
-    """Names and shapes of full arrays against the model (before any rank is asked to load them)."""
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    missing, extra = sorted(set(shapes) - set(arrays)), sorted(set(arrays) - set(shapes))
-    if missing or extra:
-        raise ProtocolError(f"model state does not match this model: missing {missing[:5]}, unexpected {extra[:5]}")
-    for name, shape in shapes.items():
-        if tuple(arrays[name].shape) != shape:
-            raise ProtocolError(f"{name}: incoming shape {tuple(arrays[name].shape)} != this model's {shape}")

@@ -27,6 +27,7 @@ from geofed_hpc.client.throttle import Throttle
 from geofed_hpc.client.uplink import Uplink
 from geofed_hpc.config import RunConfig, to_dict
 from geofed_hpc.errors import GeofedError
+from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
 from geofed_hpc.metrics import Recorder
 from geofed_hpc.rpc import messages as m
@@ -135,6 +136,7 @@ class SiteTrainer:
 
     def _after_step(self, steps: int, loss_sum: float) -> None:
         self.events.once("first_step", resume_seconds=round(time.time() - self.started, 3))
+        fault("site.step", str(self.runtime.sampler.draws))
         if self.stop_signal is not None:
             self.ckpt.save(pending=self.interval.pending(steps, loss_sum))
             self._stop()
@@ -160,7 +162,7 @@ class SiteTrainer:
             if signalled:
                 self.lifecycle.request(signalled)  # another rank of this site was signalled: stop together
             steps += 1
-            loss_sum += loss
+            loss_sum += loss if math.isfinite(loss) else 0.0  # a skipped step (NaN/Inf) trained nothing
             self.progress.tokens_seen += tokens
             self._after_step(steps, loss_sum)
             if eval_every and self.runtime.sampler.draws % eval_every == 0:
@@ -183,7 +185,7 @@ class SiteTrainer:
             self.sync.rec.log({"val/local_loss": loss, "train/step": draws, "sync/version": self.sync.version})
         if self.ckpt.best.would_keep(loss):
             path = self.ckpt.save(pending=self.interval.pending(steps, loss_sum))
-            self.ckpt.best.offer(path, loss, draws, name=f"{path.stem}-step{draws:09d}{path.suffix}")
+            self.ckpt.offer_best(path, loss, draws, name=f"{path.stem}-step{draws:09d}{path.suffix}")
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> dict[str, Any]:
@@ -241,6 +243,7 @@ class SiteTrainer:
         seconds = time.time() - self.started
         rec.log(
             {
+                **self.runtime.describe(),
                 "resume/source": resume,
                 "sync/version": self.sync.version,
                 "resume/seconds": seconds,
@@ -301,6 +304,7 @@ class SiteTrainer:
         evaluated = self.evaluation.due()
         val_loss = self.evaluation.run(self.sync.version) if evaluated else math.nan  # NaN: not evaluated
         lr = self.runtime.group.lr
+        stepper = self.runtime.group.stepper
         rec.log(
             {
                 **self.sync.telemetry(val_loss, synced.sent, sync_s, self.progress),
@@ -309,7 +313,8 @@ class SiteTrainer:
                 "sync/version": self.sync.version,
                 "sync/local_steps": steps,
                 "train/loss": train_loss,
-                **({"train/lr": lr} if lr is not None else {}),
+                **({"train/lr": lr, "train/grad_norm": stepper.grad_norm} if lr is not None else {}),
+                "train/skipped_steps": stepper.skipped,
                 **({"val/loss": val_loss, **self.evaluation.qa} if evaluated else {}),
                 "train/tokens": self.progress.tokens_seen,
                 "train/tokens_per_s": steps * self.sync.tokens_per_step() / max(train_s, 1e-9),

@@ -54,9 +54,10 @@ class SiteConfig:
     constraint: str = ""
     """Slurm node features (--constraint)."""
     nodes: Annotated[StrictInt, Field(ge=1)] = 1
-    """Nodes per site job."""
+    """Nodes per site job (Slurm; more than one: srun starts tasks_per_node ranks on each, and they meet at the
+    first node of the allocation)."""
     tasks_per_node: Annotated[StrictInt, Field(ge=1)] = 1
-    """Training processes per node (usually one per GPU)."""
+    """Training processes (ranks) per node, usually one per GPU; the site's model is sharded over all of them."""
     gpus_per_node: Annotated[StrictInt, Field(ge=0)] = 0
     """GPUs per node (0: CPU only)."""
     gpu_type: str = ""
@@ -104,6 +105,15 @@ class SiteConfig:
                 "(or leave it empty and put the cluster's own gres string in site.sbatch_extra)",
             )
             check(self.gpus_per_node > 0, "site.gpu_type", "is set but site.gpus_per_node is 0")
+        if self.nodes > 1:
+            check(self.executor == "slurm", "site.nodes", f"is {self.nodes}: several nodes need site.executor=slurm")
+        if self.nodes * self.tasks_per_node > 1 and self.executor == "slurm":
+            check(
+                self.use_srun,
+                "site.use_srun",
+                f"is false but the job has {self.nodes * self.tasks_per_node} tasks (site.nodes x site.tasks_per_node):"
+                " only srun starts them all; set it true",
+            )
         if self.executor == "slurm":
             check(bool(self.partition), "site.partition", "a Slurm site needs a partition (`sinfo -s` lists them)")
             check(

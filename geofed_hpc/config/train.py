@@ -9,7 +9,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictFloat, StrictInt
+from pydantic import BeforeValidator, Field, StrictBool, StrictFloat, StrictInt
 
 from geofed_hpc.config.fields import Duration, OneOrMany, check
 from geofed_hpc.config.section import section
@@ -18,6 +18,29 @@ from geofed_hpc.errors import ConfigError
 ZeroOrMore = Annotated[StrictInt, Field(ge=0)]
 AtLeastOne = Annotated[StrictInt, Field(ge=1)]
 Positive = Annotated[StrictFloat, Field(gt=0)]
+Fraction = Annotated[StrictFloat, Field(ge=0, le=1)]
+
+
+def _auto_or_count(value: Any) -> Any:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(f"expected auto or a whole number of sequences (1 or more), got {value!r}")
+
+
+def _positive_or_none(value: Any) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a positive number or null (no clipping), got {value!r}")
+    if not value > 0:
+        raise ValueError(f"must be positive (null: no clipping), got {value:g}")
+    return float(value)
+
+
+# `auto` or a number of sequences; `auto`: probed on a GPU, from a memory budget on CPU.
+MicroBatch = Annotated[Literal["auto"] | StrictInt, BeforeValidator(_auto_or_count)]
+# A positive float, or None for "off".
+PositiveOrNone = Annotated[StrictFloat | None, BeforeValidator(_positive_or_none)]
 
 
 @section("data")
@@ -59,12 +82,41 @@ class TrainConfig:
     """Local training and the sync cadence (Algorithm 1: H local steps or T seconds)."""
 
     lr: Positive = 3e-3
-    """AdamW learning rate."""
+    """AdamW learning rate (the peak of the schedule)."""
     warmup_steps: ZeroOrMore = 0
     """Linear lr warmup over a site's first optimizer steps (its lifetime count, which survives requeues):
     step n trains at lr x n / warmup_steps. 0: the full lr from the first step."""
+    schedule: Literal["constant", "cosine", "wsd"] = "constant"
+    """The lr after the warmup, over a site's lifetime steps: constant; cosine (down to lr x min_lr_ratio at
+    total_steps); wsd (warmup-stable-decay: constant, then a linear decay over the last decay_fraction of
+    total_steps). After total_steps the lr stays at its last value."""
+    total_steps: ZeroOrMore = 0
+    """The site's planned optimizer steps over all its jobs and requeues (cosine and wsd need it)."""
+    min_lr_ratio: Fraction = 0.1
+    """cosine, wsd: the lr at total_steps, as a fraction of lr."""
+    decay_fraction: Annotated[StrictFloat, Field(gt=0, le=1)] = 0.2
+    """wsd: the share of total_steps at its end over which the lr decays."""
     weight_decay: StrictFloat = 0.0
-    """AdamW weight decay."""
+    """AdamW weight decay, on the matrices of the blocks and an untied output layer only (never on norms, biases
+    or embeddings)."""
+    grad_clip: PositiveOrNone = None
+    """Clip the global gradient norm (over every rank's shard) to this before each step (null: no clipping)."""
+    max_bad_steps: AtLeastOne = 5
+    """A step whose loss or gradient norm is NaN or Inf is skipped (and counted); this many in a row stop the
+    site with an error."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: this task's GPU when torch sees one, else the CPU; cuda: stop at start when there is none."""
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """Compute precision (weights, gradients and optimizer state stay float32). auto: bf16 on GPUs that have
+    it, fp16 with loss scaling on older GPUs, fp32 on CPU."""
+    micro_batch: MicroBatch = "auto"
+    """Sequences per forward/backward on each rank (the batch is accumulated over micro-batches). auto: the
+    largest that fits, probed on a GPU (cached per GPU model), from a memory budget on CPU."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in the backward pass, per block: full (keep only each block's input) or selective
+    (keep the matrix products, recompute norms, activations and softmax)."""
+    compile: StrictBool = False
+    """torch.compile each block (needs a C++ compiler on CPU; the first steps are slower while it compiles)."""
     batch_size: AtLeastOne = 8
     """Sequences per optimizer step on each site."""
     sync_interval: Duration = timedelta(seconds=30)
@@ -94,6 +146,19 @@ class TrainConfig:
             "train.sync_interval",
             "set a positive sync interval or train.max_local_steps",
         )
+        if self.schedule != "constant":
+            check(
+                self.total_steps > 0,
+                "train.total_steps",
+                f"schedule={self.schedule} needs the site's planned optimizer steps over the whole run, e.g. 10000",
+            )
+        if self.total_steps:
+            check(
+                self.total_steps > self.warmup_steps,
+                "train.total_steps",
+                f"{self.total_steps} is not more than train.warmup_steps ({self.warmup_steps}): "
+                "the schedule would end inside its warmup",
+            )
 
 
 Paradigm = Literal["identity", "lora", "hybrid_lora", "ravan", "zo"]

@@ -72,6 +72,11 @@ def check_slurm_site(cfg: RunConfig) -> None:
     site = cfg.site
     if site.executor != "slurm":
         raise ConfigError(f"site.executor: site {site.name!r} is {site.executor!r}, not a Slurm site")
+    if cfg.train.device == "cuda" and not site.gpus_per_node and site.gpu_style != "none":
+        raise ConfigError(
+            "train.device: is cuda but site.gpus_per_node is 0, so the job would get no GPU; set site.gpus_per_node "
+            "(or site.gpu_style=none where the partition brings its GPUs)"
+        )
     need = cfg.train.sync_interval + site.signal_delay
     if site.timeout < need:
         raise ConfigError(

@@ -19,11 +19,23 @@ from geofed_hpc.metrics import read_jsonl
 POLL_S = 0.5
 
 
+def check_local_device(cfg: RunConfig) -> None:
+    """train.device=cuda for sites that run on this machine: ConfigError now, saying why, when its torch cannot
+    use a GPU (torch is imported only then)."""
+    if cfg.train.device == "cuda":
+        from geofed_hpc.client.devices import check_device
+
+        check_device(cfg.train.device)
+
+
 def submit_local_sites(cfg: RunConfig, ps_address: str) -> list[submitit.Job]:
-    """Submit `site.num_sites` ClientJobs, each its own process, through submitit's LocalExecutor."""
+    """Submit `site.num_sites` ClientJobs, each `site.tasks_per_node` processes, through submitit's LocalExecutor."""
     run_dir = Path(cfg.run_dir).resolve()
     executor = submitit.LocalExecutor(folder=run_dir / "submitit" / "%j")
-    executor.update_parameters(timeout_min=cfg.site.timeout.total_seconds() / 60)
+    # site.tasks_per_node > 1: each site is that many processes (ranks) here, sharding its model (FSDP2, gloo)
+    executor.update_parameters(
+        timeout_min=cfg.site.timeout.total_seconds() / 60, tasks_per_node=cfg.site.tasks_per_node
+    )
     plain = to_dict(cfg)
     plain["run_dir"] = str(run_dir)
     return [executor.submit(ClientJob(plain, i, ps_address)) for i in range(cfg.site.num_sites)]

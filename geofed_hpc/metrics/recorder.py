@@ -18,7 +18,9 @@ METRIC_HELP: dict[str, str] = {
     "train/loss": "training loss, mean over the steps since the previous log line",
     "train/tokens": "tokens this process has trained on since the run began (cumulative)",
     "train/tokens_per_s": "training throughput since the previous log line, tokens per second",
-    "train/lr": "learning rate of the last local step, train.warmup_steps included (AdamW paradigms)",
+    "train/lr": "learning rate of the last local step, warmup and train.schedule included (AdamW paradigms)",
+    "train/grad_norm": "global gradient norm of the last local step, before train.grad_clip (AdamW paradigms)",
+    "train/skipped_steps": "local steps skipped for a NaN/Inf loss or gradient norm since this job started",
     "val/loss": "validation loss of the global model this site just pulled (every train.eval_interval)",
     "val/local_loss": "validation loss of this site's local model, every train.eval_every local steps",
     "train/step": "local optimizer steps this site has taken since the run began (its data position)",
@@ -48,6 +50,9 @@ METRIC_HELP: dict[str, str] = {
     "site/contribution_total": "tokens behind all of this site's accepted deltas (cumulative)",
     "job/preemptions": "times this site's job was preempted or timed out and requeued",
     "resume/seconds": "seconds from job start until ready to train (model, optimizer and sampler restored)",
+    "site/micro_batch": "sequences per forward/backward on each rank, as chosen at the job's start (train.micro_batch)",
+    "site/world_size": "training processes (ranks) of the site job, over all its nodes",
+    "site/nodes": "nodes of the site job",
     # the parameter server
     "ps/version": "global model version",
     "ps/active_sites": "sites seen within the liveness window",
@@ -55,7 +60,8 @@ METRIC_HELP: dict[str, str] = {
     "ps/pushes_total": "deltas applied since the PS started",
     "ps/bytes_received_total": "encoded delta bytes received since the PS started",
 }
-# String-valued entries (JSONL only): "resume/source" is local | global | fresh.
+# String-valued entries (JSONL only): "resume/source" is local | global | fresh; at each start, "site/device"
+# (cpu, cuda:0), "site/gpu" (the GPU model or none) and "site/precision" (fp32, bf16 or fp16).
 METRIC_NAMES: tuple[str, ...] = tuple(METRIC_HELP)
 
 WANDB_MODES: tuple[str, ...] = ("offline", "online", "disabled")

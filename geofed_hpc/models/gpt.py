@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from geofed_hpc.config import ModelConfig
 from geofed_hpc.errors import ConfigError
+from geofed_hpc.models.init import InitRule, init_in_place, standard_rules
 
 
 class CausalSelfAttention(nn.Module):
@@ -75,23 +74,14 @@ class GPT(nn.Module):
             self.lm_head.weight = self.wte.weight
         self.init_weights()
 
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """GPT-2 init: N(0, 0.02) weights, zero biases, residual projections scaled by 1/sqrt(2 * n_layers)."""
-        resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                if module is self.lm_head and self.cfg.tie_embeddings:
-                    continue
-                std = resid_std if name.endswith((".attn.proj", ".mlp.proj")) else 0.02
-                nn.init.normal_(module.weight, 0.0, std, generator=generator)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, 0.02, generator=generator)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
+    def init_weights(self, seed: int = 0) -> None:
+        """GPT-2 init: N(0, 0.02) weights, zero biases, residual projections scaled by 1/sqrt(2 * n_layers); each
+        tensor from its own generator seeded by (seed, name) (models/init.py). Nothing to do on meta."""
+        init_in_place(self, seed)
+
+    def init_rules(self) -> dict[str, InitRule]:
+        """How each parameter starts (models/init.py draws it)."""
+        return standard_rules(self, (".attn.proj.weight", ".mlp.proj.weight"), self.cfg.n_layers)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None

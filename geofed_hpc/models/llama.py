@@ -10,6 +10,7 @@ from torch import nn
 
 from geofed_hpc.config import ModelConfig
 from geofed_hpc.errors import ConfigError
+from geofed_hpc.models.init import InitRule, init_in_place, standard_rules
 
 
 class RMSNorm(nn.Module):
@@ -122,21 +123,16 @@ class Llama(nn.Module):
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
         self.init_weights()
 
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """N(0, 0.02) weights, output projections scaled by 1/sqrt(2 * n_layers), unit norms; RoPE recomputed."""
-        resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                if module is self.lm_head and self.cfg.tie_embeddings:
-                    continue
-                std = resid_std if name.endswith((".attn.o", ".ffn.down")) else 0.02
-                nn.init.normal_(module.weight, 0.0, std, generator=generator)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, 0.02, generator=generator)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
-        self.reset_buffers()
+    def init_weights(self, seed: int = 0) -> None:
+        """N(0, 0.02) weights, output projections scaled by 1/sqrt(2 * n_layers), unit norms, each tensor from its
+        own generator seeded by (seed, name) (models/init.py); RoPE recomputed. Nothing to do on meta."""
+        init_in_place(self, seed)
+        if not self.inv_freq.is_meta:
+            self.reset_buffers()
+
+    def init_rules(self) -> dict[str, InitRule]:
+        """How each parameter starts (models/init.py draws it)."""
+        return standard_rules(self, (".attn.o.weight", ".ffn.down.weight"), self.cfg.n_layers)
 
     @torch.no_grad()
     def reset_buffers(self) -> None:

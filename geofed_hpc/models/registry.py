@@ -19,27 +19,40 @@ def build_model(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu",
     """The `cfg.arch` model with deterministic init for `seed` (global RNG untouched), weights from
     `cfg.init_from` when set. device="meta" allocates nothing (shapes and parameter counts only); init=False
     allocates without initialising (for weights that are loaded next: saves seconds on large models)."""
+    model = build_meta(cfg)
+    if torch.device(device).type == "meta":
+        return model
+    model = materialize(model, device)
+    if not init:
+        return model
+    if cfg.init_from:
+        from geofed_hpc.models.hf import load_hf_checkpoint
+
+        load_hf_checkpoint(model, cfg.init_from)
+    else:
+        model.init_weights(seed)  # type: ignore[operator]
+    return model
+
+
+def build_meta(cfg: ModelConfig) -> nn.Module:
+    """The `cfg.arch` model on the meta device: shapes only, nothing allocated (shard it, then `materialize`)."""
     try:
         cls = ARCHS[cfg.arch]
     except KeyError:
         raise ConfigError(f"model.arch: no model for {cfg.arch!r}; known: {', '.join(ARCHS)}") from None
-    if not init and torch.device(device).type != "meta":
-        with torch.device("meta"):
-            model = cls(cfg)
-        model = model.to_empty(device=device)
-        if cfg.tie_embeddings:  # to_empty gives every module its own tensor: tie the head again
-            model.lm_head.weight = model.wte.weight  # type: ignore[union-attr]
-        reset = getattr(model, "reset_buffers", None)
-        if callable(reset):
-            reset()
-        return model
-    with torch.random.fork_rng(devices=[]), torch.device(device):
-        torch.manual_seed(seed)
-        model = cls(cfg)
-    if cfg.init_from and torch.device(device).type != "meta":
-        from geofed_hpc.models.hf import load_hf_checkpoint
+    with torch.device("meta"):
+        return cls(cfg)
 
-        load_hf_checkpoint(model, cfg.init_from)
+
+def materialize(model: nn.Module, device: str | torch.device) -> nn.Module:
+    """Allocate a meta model's (or its shards') tensors on `device`, uninitialised; buffers recomputed."""
+    model = model.to_empty(device=device)
+    cfg = model.cfg
+    if cfg.tie_embeddings and model.lm_head.weight is not model.wte.weight:  # type: ignore[union-attr]
+        model.lm_head.weight = model.wte.weight  # type: ignore[union-attr]
+    reset = getattr(model, "reset_buffers", None)
+    if callable(reset):
+        reset()
     return model
 
 

@@ -5,7 +5,7 @@
 #SBATCH --cpus-per-task=72
 #SBATCH --error=/scratch/alice/geofed/runs/geofed/jobs/tacc-0/%j/%j_0_log.err
 #SBATCH --job-name=geofed-geofed-tacc-0
-#SBATCH --nodes=1
+#SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
 #SBATCH --open-mode=append
 #SBATCH --output=/scratch/alice/geofed/runs/geofed/jobs/tacc-0/%j/%j_0_log.out
