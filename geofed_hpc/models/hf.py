@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -90,15 +91,15 @@ def _check_config(cfg: ModelConfig, folder: Path) -> None:
     check_config(cfg, hf, str(file))
 
 
-def load_hf_checkpoint(model: nn.Module, path: str | Path) -> None:
-    """Copy every parameter of `model` (GPT or Llama) from the Hugging Face-format checkpoint at `path`."""
-    cfg: ModelConfig = model.cfg  # type: ignore[assignment]
+def read_hf_tensors(cfg: ModelConfig, path: str | Path) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """(our parameter name, full tensor, where it was read) for every tensor of the Hugging Face checkpoint at
+    `path`, one at a time (transposed where GPT-2's Conv1D needs it). A tied output layer is checked against the
+    embedding, not yielded. ConfigError names the file and tensor of anything that does not fit `cfg`."""
     path = Path(path).expanduser()
     files = checkpoint_files(path)
     _check_config(cfg, path if path.is_dir() else path.parent)
-    params = dict(model.named_parameters())
-    done: set[str] = set()
-    lm_head: tuple[torch.Tensor, Path] | None = None
+    held: dict[str, tuple[torch.Tensor, Path]] = {}  # tied: the head and the embedding, until both were read
+    checked = False
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():  # noqa: SIM118 - safe_open has keys(), not __iter__
@@ -113,16 +114,33 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path) -> None:
                     )
                 name, transpose = mapped
                 tensor = f.get_tensor(hf_name)
-                if name == "lm_head.weight" and cfg.tie_embeddings:
-                    lm_head = (tensor, file)  # compared with the embedding once that is loaded
-                    continue
-                _copy(params, name, tensor.t() if transpose else tensor, file, hf_name)
-                done.add(name)
-    if lm_head is not None and not torch.equal(lm_head[0].to(params["wte.weight"].dtype), params["wte.weight"].data):
+                tensor = tensor.t().contiguous() if transpose else tensor
+                if cfg.tie_embeddings and name in ("lm_head.weight", "wte.weight") and not checked:
+                    held[name] = (tensor, file)
+                    if len(held) == 2:
+                        _check_tied(held)
+                        held, checked = {}, True
+                if name != "lm_head.weight" or not cfg.tie_embeddings:
+                    yield name, tensor, f"{file} tensor {hf_name!r}"
+
+
+def _check_tied(held: dict[str, tuple[torch.Tensor, Path]]) -> None:
+    (head, file), (wte, _) = held["lm_head.weight"], held["wte.weight"]
+    if head.shape != wte.shape or not torch.equal(head.to(wte.dtype), wte):
         raise ConfigError(
-            f"model.tie_embeddings: is true but {lm_head[1]} holds an lm_head.weight different from the token "
+            f"model.tie_embeddings: is true but {file} holds an lm_head.weight different from the token "
             "embedding; set model.tie_embeddings=false"
         )
+
+
+def load_hf_checkpoint(model: nn.Module, path: str | Path) -> None:
+    """Copy every parameter of `model` (GPT or Llama) from the Hugging Face-format checkpoint at `path`."""
+    cfg: ModelConfig = model.cfg  # type: ignore[assignment]
+    params = dict(model.named_parameters())
+    done: set[str] = set()
+    for name, tensor, where in read_hf_tensors(cfg, path):
+        _copy(params, name, tensor, where)
+        done.add(name)
     missing = sorted(set(params) - done)
     if missing:
         raise ConfigError(
@@ -132,13 +150,13 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path) -> None:
     logger.info("loaded %d tensors from the Hugging Face checkpoint %s", len(done), path)
 
 
-def _copy(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, file: Path, hf_name: str) -> None:
+def _copy(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, where: str) -> None:
     param = params.get(name)
     if param is None:
-        raise ConfigError(f"model.init_from: {file} holds {hf_name!r} ({name}) which this model config does not have")
+        raise ConfigError(f"model.init_from: {where} ({name}) is not in this model config")
     if tuple(tensor.shape) != tuple(param.shape):
         raise ConfigError(
-            f"model.init_from: {file} tensor {hf_name!r} has shape {tuple(tensor.shape)} but {name} needs "
+            f"model.init_from: {where} has shape {tuple(tensor.shape)} but {name} needs "
             f"{tuple(param.shape)}; use the model config that matches the checkpoint"
         )
     with torch.no_grad():
