@@ -85,6 +85,8 @@ class PSConfig:
     """Snapshot every this many versions (and on SIGTERM)."""
     downlink_codec: Annotated[str, choice(("", *WIRE_CODECS))] = ""
     """Codec of the global updates sent to sites that hold a recent version ("": the run's codec)."""
+    downlink_density: Annotated[StrictFloat, Field(ge=0, le=0.5)] = 0.0
+    """A sparse downlink's codec.density (0: codec.density); the updates it leaves out wait on the PS."""
     downlink_history: Annotated[StrictInt, Field(ge=0)] = 16
     """Updates kept for those sites (0: always full models)."""
     max_concurrent_pushes: AtLeastOne = 4

@@ -11,14 +11,14 @@ from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
-from geofed_hpc.config import PSConfig
+from geofed_hpc.config import CodecConfig, PSConfig
 from geofed_hpc.errors import GeofedError, MismatchError, ProtocolError, UnavailableError
 from geofed_hpc.faults import fault
 from geofed_hpc.paradigms.exchange import Exchange
 from geofed_hpc.ps.coordinator import Coordinator
 from geofed_hpc.ps.journal import sync_file
 from geofed_hpc.ps.sessions import Session
-from geofed_hpc.ps.staging import Staging, decode_push
+from geofed_hpc.ps.staging import Staging, decode_delta, decode_push
 from geofed_hpc.ps.strategy import Strategy
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import first_header, to_chunks
@@ -44,6 +44,7 @@ class ParameterServerLogic:
         settings: m.RunSettings,
         clock: Callable[[], float] = time.monotonic,
         exchange: Exchange | None = None,
+        codec: CodecConfig | None = None,
     ) -> None:
         self.cfg = cfg
         state = Path(cfg.state_dir).expanduser() if cfg.state_dir else None
@@ -52,7 +53,7 @@ class ParameterServerLogic:
         self._sending = threading.BoundedSemaphore(cfg.max_concurrent_downloads)
         self._decoders = ThreadPoolExecutor(cfg.decode_threads, thread_name_prefix="ps-decode")
         try:
-            self.core = Coordinator(cfg, settings, self.staging, clock, exchange)
+            self.core = Coordinator(cfg, settings, self.staging, clock, exchange, codec)
         except BaseException:
             self.staging.close()
             raise
@@ -129,7 +130,7 @@ class ParameterServerLogic:
     ) -> m.PushReply:
         """Decode a verified delta and hand it to the coordinator (`staged`: its payload file, to journal)."""
         nbytes = len(payload)
-        delta = decode_push(payload, header, self.core.model.spec)
+        delta = decode_delta(payload, header, self.core.model.spec)
         del payload
         return self.core.admit(session, header, delta, nbytes, staged)
 
