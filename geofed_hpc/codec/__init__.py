@@ -4,7 +4,16 @@ from geofed_hpc.codec.adaptive import LinkAdaptive
 from geofed_hpc.codec.feedback import ErrorFeedback
 from geofed_hpc.codec.inputs import TensorSource
 from geofed_hpc.codec.sparse import SparseTensor
-from geofed_hpc.codec.stream import Piece, StreamDecoder, codec_name, decode, decode_sparse, encode, encode_frames
+from geofed_hpc.codec.stream import (
+    Piece,
+    StreamDecoder,
+    codec_name,
+    decode,
+    decode_sparse,
+    decode_stream,
+    encode,
+    encode_frames,
+)
 
 __all__ = [
     "ErrorFeedback",
@@ -16,6 +25,7 @@ __all__ = [
     "codec_name",
     "decode",
     "decode_sparse",
+    "decode_stream",
     "encode",
     "encode_frames",
 ]

@@ -26,6 +26,7 @@ from geofed_hpc.codec import frames, huffman, schemes, sparse
 from geofed_hpc.codec.frames import DATA, END, HEADER, FrameReader
 from geofed_hpc.codec.inputs import Tensor, pieces, tensors_of
 from geofed_hpc.codec.quant import block_minmax, block_scales, num_blocks
+from geofed_hpc.codec.sparse import SparseTensor
 from geofed_hpc.codec.zstdio import Inflater, compress_parts, compressor
 from geofed_hpc.config import WIRE_CODECS, CodecConfig
 from geofed_hpc.errors import CodecError
@@ -447,11 +448,19 @@ def decode(payload: object, expected: Expected | None = None) -> dict[str, np.nd
     }
 
 
-def decode_sparse(payload: object, expected: Expected | None = None) -> dict[str, np.ndarray | sparse.SparseTensor]:
+def decode_sparse(payload: object, expected: Expected | None = None) -> dict[str, np.ndarray | SparseTensor]:
     """As `decode`, but the tensors of a sparse payload come as SparseTensors (kept indices and values, never
     densified); other payloads decode as `decode` gives them."""
+    return decode_stream(payload, expected, sparse=True)[1]
+
+
+def decode_stream(
+    payload: object, expected: Expected | None = None, sparse: bool = False
+) -> tuple[str, dict[str, np.ndarray | SparseTensor]]:
+    """(codec, tensors) of a payload read to its end (bytes or byte chunks as they arrive); with `sparse` as
+    `decode_sparse` gives them, else dense."""
     chunks = _chunks_of(payload)
-    dec = StreamDecoder(expected, sparse=True)
+    dec = StreamDecoder(expected, sparse=sparse)
     parts: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
     dense: dict[str, np.ndarray] = {}
 
@@ -466,15 +475,15 @@ def decode_sparse(payload: object, expected: Expected | None = None) -> dict[str
             idx.append(piece.indices)
             vals.append(piece.values)
     assert dec.header is not None
-    out: dict[str, np.ndarray | sparse.SparseTensor] = {}
+    out: dict[str, np.ndarray | SparseTensor] = {}
     for name, shape in zip(dec.header.names, dec.header.shapes, strict=True):
-        if dec.header.codec == "sparse":
+        if name in parts or (sparse and dec.header.codec == "sparse"):
             idx, vals = parts.get(name, ([], []))
             cat = (np.concatenate(idx), np.concatenate(vals)) if idx else _NOTHING
-            out[name] = sparse.SparseTensor(shape, *cat)
+            out[name] = SparseTensor(shape, *cat)
         else:
             out[name] = dense[name] if name in dense else np.zeros(shape, np.float32)
-    return out
+    return dec.header.codec, out
 
 
 def _chunks_of(payload: object) -> Iterable[object]:
