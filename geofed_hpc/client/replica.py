@@ -8,8 +8,10 @@ from datetime import timedelta
 import numpy as np
 
 from geofed_hpc import codec
+from geofed_hpc.client.events import EventLog
 from geofed_hpc.client.group import SiteGroup
 from geofed_hpc.client.telemetry import SyncTimer
+from geofed_hpc.codec import fingerprint
 from geofed_hpc.errors import CodecError, ProtocolError
 from geofed_hpc.log import logger
 from geofed_hpc.paradigms import Exchange
@@ -42,8 +44,11 @@ class Replica:
     pushed, and the next pull is a full one). Loading a pulled model into the site's ranks goes through `group`;
     the site's private tensors (hybrid_lora's adapters) are kept across it."""
 
-    def __init__(self, name: str, group: SiteGroup, exchange: Exchange, private: list[str]) -> None:
+    def __init__(
+        self, name: str, group: SiteGroup, exchange: Exchange, private: list[str], events: EventLog | None = None
+    ) -> None:
         self.name, self.group, self.exchange, self.private = name, group, exchange, private
+        self.events = events  # a `pulled` event per pull: the version, how it came, the base's fingerprint
         self.base: Params = {}
         self.version = 0
         self.exact = True
@@ -73,6 +78,10 @@ class Replica:
                 logger.warning("%s: the PS is back at version %d (we held %d)", self.name, header.version, have)
         self.group.load_model(self.with_private(arrays))
         self.base, self.version, self.exact = arrays, header.version, True
+        if self.events is not None:
+            self.events(
+                "pulled", version=header.version, kind=header.kind, bytes=len(payload), xxh3=fingerprint(arrays)
+            )
 
     def with_private(self, arrays: Params) -> Params:
         """The global model plus this site's private tensors (hybrid_lora's adapters), which it never sends."""

@@ -58,7 +58,7 @@ class SiteTrainer:
         self.evaluation = Evaluation(group, cfg.train.eval_interval)
         link = PSLink(cfg, self.name, directory, self.events)
         uplink = Uplink(cfg, self.name, self.events, self.progress, paradigm.additive, paradigm.error_feedback)
-        replica = Replica(self.name, group, paradigm.exchange, private)
+        replica = Replica(self.name, group, paradigm.exchange, private, self.events)
         self.sync = SiteSync(cfg, link, replica, uplink, group, paradigm, safe=self)
         parts = SiteParts(group, self.runtime.sampler, paradigm, replica, uplink, link, self.progress, self.evaluation)
         self.ckpt = SiteCheckpoints(cfg, directory / "ckpt", parts, self.events.job_id)

@@ -2,7 +2,7 @@
 
 from geofed_hpc.codec.adaptive import LinkAdaptive
 from geofed_hpc.codec.feedback import ErrorFeedback
-from geofed_hpc.codec.inputs import TensorSource
+from geofed_hpc.codec.inputs import TensorSource, fingerprint
 from geofed_hpc.codec.sparse import SparseTensor
 from geofed_hpc.codec.stream import (
     Piece,
@@ -28,4 +28,5 @@ __all__ = [
     "decode_stream",
     "encode",
     "encode_frames",
+    "fingerprint",
 ]
