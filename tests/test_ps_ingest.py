@@ -48,12 +48,12 @@ def record_decodes(monkeypatch: pytest.MonkeyPatch, hold: float = 0.0) -> tuple[
 
 
 def slots_free(logic: ParameterServerLogic) -> int:
-    got = 0
-    while logic.ingest.try_slot():
-        got += 1
-    for _ in range(got):
-        logic.ingest.release()
-    return got
+    taken = []
+    while (scratch := logic.ingest.take()) is not None:
+        taken.append(scratch)
+    for scratch in taken:
+        logic.ingest.give_back(scratch)
+    return len(taken)
 
 
 def test_frames_are_decoded_while_the_stream_still_arrives(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -104,7 +104,8 @@ def test_without_a_free_decoder_slot_a_push_is_staged_and_decoded_once_one_frees
     logic = make("async", downlink_codec="fp32", decode_threads=1)
     (s,) = joined(logic, 1)
     init(logic, s, {k: np.zeros_like(v) for k, v in two_tensors().items()})
-    assert logic.ingest.try_slot()  # another push is decoding
+    busy = logic.ingest.take()  # another push is decoding
+    assert busy is not None
     replies: list[m.PushReply] = []
     t = threading.Thread(target=lambda: replies.append(logic.push_delta(iter(push_chunks(s, 0, two_tensors(2))))))
     t.start()
@@ -114,7 +115,7 @@ def test_without_a_free_decoder_slot_a_push_is_staged_and_decoded_once_one_frees
     assert list(logic.staging.directory.glob("push-*")) and not replies  # received whole, waiting for the slot
     time.sleep(0.2)
     assert logic.version == 0
-    logic.ingest.release()
+    logic.ingest.give_back(busy)
     t.join(timeout=30)
     assert replies and replies[0].accepted and logic.version == 1
     assert not list(logic.staging.directory.glob("push-*")) and slots_free(logic) == 1

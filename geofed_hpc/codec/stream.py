@@ -313,13 +313,41 @@ def _check_expected(h: Header, expected: Expected) -> None:
 Target = Callable[[str, tuple[int, ...], int, int], np.ndarray]
 
 
+class Scratch:
+    """Buffers one decoder reuses from payload to payload: the decoded tensors and a piece's content. Writing to
+    fresh pages costs more than decoding into them, and concurrent threads faulting pages in contend in the kernel;
+    reused buffers avoid both. A tensor decoded into a Scratch is valid until its next payload."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, np.ndarray] = {}
+        self._content = np.empty(0, np.uint8)
+
+    def array(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        a = self._arrays.get(name)
+        if a is None or a.shape != shape:
+            a = self._arrays[name] = _alloc(shape, f"tensor {name!r}")
+        return a
+
+    def content(self, size: int) -> np.ndarray:
+        if self._content.size < size:
+            self._content = np.empty(size, np.uint8)
+        return self._content[:size]
+
+    def keep_only(self, names: Iterable[str]) -> None:
+        """Drop the buffers of tensors the last payload did not hold."""
+        keep = set(names)
+        self._arrays = {k: v for k, v in self._arrays.items() if k in keep}
+
+
 class StreamDecoder:
     """Decodes a stream from byte chunks of any size, piece by piece; `header` is set once it is read. With
-    `sparse`, pieces of a sparse payload come as kept indices and values (never densified)."""
+    `sparse`, pieces of a sparse payload come as kept indices and values (never densified); with `scratch`, piece
+    contents are decoded in its reused buffer."""
 
-    def __init__(self, expected: Expected | None = None, sparse: bool = False) -> None:
+    def __init__(self, expected: Expected | None = None, sparse: bool = False, scratch: Scratch | None = None) -> None:
         self.expected = expected
         self.sparse = sparse
+        self.scratch = scratch
         self.header: Header | None = None
 
     def pieces(self, chunks: Iterable[object], target: Target | None = None) -> Iterator[Piece]:
@@ -373,7 +401,7 @@ class StreamDecoder:
             blob = bytearray()
         else:
             size = schemes.content_size(h.plan, n)
-            content = np.empty(size, np.uint8)
+            content = self.scratch.content(size) if self.scratch is not None else np.empty(size, np.uint8)
             sink = Inflater(content, what)
         for k in range(1 << 32):
             try:
@@ -455,18 +483,18 @@ def decode_sparse(payload: object, expected: Expected | None = None) -> dict[str
 
 
 def decode_stream(
-    payload: object, expected: Expected | None = None, sparse: bool = False
+    payload: object, expected: Expected | None = None, sparse: bool = False, scratch: Scratch | None = None
 ) -> tuple[str, dict[str, np.ndarray | SparseTensor]]:
     """(codec, tensors) of a payload read to its end (bytes or byte chunks as they arrive); with `sparse` as
-    `decode_sparse` gives them, else dense."""
+    `decode_sparse` gives them, else dense; with `scratch`, dense tensors are its reused buffers."""
     chunks = _chunks_of(payload)
-    dec = StreamDecoder(expected, sparse=sparse)
+    dec = StreamDecoder(expected, sparse=sparse, scratch=scratch)
     parts: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
     dense: dict[str, np.ndarray] = {}
 
     def target(name: str, shape: tuple[int, ...], start: int, n: int) -> np.ndarray:
         if name not in dense:
-            dense[name] = _alloc(shape, f"tensor {name!r}")
+            dense[name] = scratch.array(name, shape) if scratch is not None else _alloc(shape, f"tensor {name!r}")
         return dense[name].reshape(-1)[start : start + n]
 
     for piece in dec.pieces(chunks, target):
@@ -475,6 +503,8 @@ def decode_stream(
             idx.append(piece.indices)
             vals.append(piece.values)
     assert dec.header is not None
+    if scratch is not None:
+        scratch.keep_only(dense)
     out: dict[str, np.ndarray | SparseTensor] = {}
     for name, shape in zip(dec.header.names, dec.header.shapes, strict=True):
         if name in parts or (sparse and dec.header.codec == "sparse"):
@@ -482,7 +512,7 @@ def decode_stream(
             cat = (np.concatenate(idx), np.concatenate(vals)) if idx else _NOTHING
             out[name] = SparseTensor(shape, *cat)
         else:
-            out[name] = dense[name] if name in dense else np.zeros(shape, np.float32)
+            out[name] = dense[name] if name in dense else np.zeros(shape, np.float32)  # (empty tensors)
     return dec.header.codec, out
 
 

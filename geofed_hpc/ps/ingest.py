@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import queue
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -11,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from geofed_hpc import codec
+from geofed_hpc.codec.stream import Scratch
 from geofed_hpc.errors import CodecError, ProtocolError
 from geofed_hpc.ps.aggregate import Delta
 from geofed_hpc.ps.journal import sync_file
@@ -33,32 +33,43 @@ class Ingest:
     sha256 verified: a broken stream leaves the model untouched. A push that finds no free slot is staged whole and
     decoded later (ParameterServerLogic's staged path), and takes a slot then.
 
-    Memory: at most `slots` decoded deltas at once (a model each, a sparse delta far less), plus QUEUE_CHUNKS
-    chunks per stream being decoded.
+    Memory: a slot keeps the buffers it decodes dense deltas into (a Scratch: writing fresh pages costs more than
+    decoding, and threads faulting them in at once contend in the kernel), so the PS holds `threads` models' worth
+    for decoding, at most, plus QUEUE_CHUNKS chunks per stream being decoded; a sparse delta needs no model-sized
+    buffer.
 
-    Lock: the semaphore `slots` bounds the decoders; each stream's queue and events belong to its push.
+    Lock: the free slots are a queue (`_free`, each with its Scratch); each stream's queue belongs to its push.
     """
 
     def __init__(self, threads: int, staging: Staging) -> None:
         self.staging = staging
-        self.slots = threading.BoundedSemaphore(threads)
+        self._free: queue.LifoQueue[Scratch] = queue.LifoQueue()
+        for _ in range(threads):
+            self._free.put(Scratch())
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ps-ingest")
 
-    def try_slot(self) -> bool:
-        """Take a decoder slot if one is free now (release it with `release`, or hand it to `receive`)."""
-        return self.slots.acquire(blocking=False)
+    def take(self) -> Scratch | None:
+        """A decoder slot (its Scratch) if one is free now, else None; hand it to `receive` or `give_back`."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            return None
 
-    def release(self) -> None:
-        self.slots.release()
+    def give_back(self, scratch: Scratch) -> None:
+        self._free.put(scratch)
 
     @contextmanager
     def held(self) -> Iterator[None]:
         """Hold a decoder slot, waiting for one (the staged path, before it decodes)."""
-        with self.slots:
+        scratch = self._free.get()
+        try:
             yield
+        finally:
+            self._free.put(scratch)
 
     def receive(
         self,
+        scratch: Scratch,
         header: m.PushHeader,
         first: m.Chunk,
         rest: Iterable[m.Chunk],
@@ -66,15 +77,15 @@ class Ingest:
         keep_file: bool,
         admit: Admit,
     ) -> m.PushReply:
-        """Receive a push (holding a slot from `try_slot`, which this releases), decode it as it arrives and, once
+        """Receive a push (with a slot from `take`, given back when done), decode it as it arrives and, once
         it verified, hand the delta to `admit` on the decoder thread. With `keep_file` the bytes also go to a
         staging file (for the journal), removed after."""
         chunks: queue.Queue[Any] = queue.Queue(QUEUE_CHUNKS)
         path = self.staging.new_path("push") if keep_file else None
         try:
-            task = self._pool.submit(self._decode, header, chunks, expected, path, admit)
+            task = self._pool.submit(self._decode, header, chunks, expected, path, admit, scratch)
         except BaseException:
-            self.slots.release()
+            self._free.put(scratch)
             raise
         try:
             with open(path, "xb") if path is not None else nullcontext(None) as f:
@@ -105,13 +116,15 @@ class Ingest:
         expected: dict[str, tuple[tuple[int, ...], str]],
         path: Path | None,
         admit: Admit,
+        scratch: Scratch,
     ) -> m.PushReply:
-        """On a pool thread: decode the stream's chunks as they come; once the stream verified (it ends with
-        _END, never _ABORT) admit the delta."""
+        """On a pool thread: decode the stream's chunks as they come (dense tensors into the slot's reused
+        buffers); once the stream verified (it ends with _END, never _ABORT) admit the delta, which is folded or
+        spooled before the buffers are used again."""
         try:
             feed = _Feed(chunks)
             try:
-                name, delta = codec.decode_stream(feed, expected, sparse=True)  # reads up to _END or _ABORT
+                name, delta = codec.decode_stream(feed, expected, sparse=True, scratch=scratch)
             except CodecError as exc:
                 feed.drain()  # the handler must never block on a full queue
                 if feed.aborted:
@@ -125,7 +138,7 @@ class Ingest:
                 sync_file(path)  # on disk before the journal may take it
             return admit(delta, header.total_bytes, path)
         finally:
-            self.slots.release()
+            self._free.put(scratch)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -96,10 +96,11 @@ class ParameterServerLogic:
             session, replay = self.core.begin_push(header)
             if replay is not None:
                 return replay
-            streamed = not header.init and self.ingest.try_slot()
+            scratch = None if header.init else self.ingest.take()
             try:
-                if streamed:
+                if scratch is not None:
                     reply = self.ingest.receive(
+                        scratch,
                         header,
                         first,
                         it,
@@ -112,7 +113,7 @@ class ParameterServerLogic:
             except BaseException as exc:
                 self.core.end_push(session, header.push_id, refused=isinstance(exc, GeofedError))
                 raise
-        if streamed:
+        if scratch is not None:
             self.core.end_push(session, header.push_id, refused=False)
             return reply
         try:
