@@ -191,3 +191,18 @@ def test_sparse_and_int2_are_far_smaller_than_int8() -> None:
     x = {"w": rng.standard_normal(1 << 16).astype(np.float32)}
     bits = {n: 8 * len(codec.encode(x, CodecConfig(name=n))) / (1 << 16) for n in ("int8", "int4", "int2", "sparse")}
     assert bits["sparse"] < 0.25 and bits["int2"] < 2.2 and bits["int4"] < 4.2 < 6 < bits["int8"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(min_size=0, max_size=200), n=st.integers(1, 300), keep=st.integers(1, 64), bits=st.integers(1, 4))
+def test_any_sparse_content_decodes_to_valid_positions_or_is_refused(data: bytes, n: int, keep: int, bits: int) -> None:
+    size = sparse.Layout.of(n, 64, keep, bits).size()
+    body = (data * (size // max(1, len(data)) + 1))[:size] if data else bytes(size)
+    try:
+        got = codec.decode_sparse(crafted(body, n, 64, keep, bits))["w"]
+    except CodecError as exc:
+        assert str(exc)
+        return
+    assert isinstance(got, codec.SparseTensor)
+    assert got.indices.size == 0 or (np.diff(got.indices) > 0).all() and 0 <= got.indices[0] and got.indices[-1] < n
+    assert np.isfinite(got.values).all()

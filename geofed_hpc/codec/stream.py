@@ -503,7 +503,7 @@ def decode_stream(
             idx.append(piece.indices)
             vals.append(piece.values)
     assert dec.header is not None
-    if scratch is not None:
+    if scratch is not None and dense:
         scratch.keep_only(dense)
     out: dict[str, np.ndarray | SparseTensor] = {}
     for name, shape in zip(dec.header.names, dec.header.shapes, strict=True):

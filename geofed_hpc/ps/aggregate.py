@@ -61,7 +61,8 @@ class MeanAccumulator:
         steps: int = 0,
         consume: bool = False,
     ) -> None:
-        """Add `weight * scale * delta`; with `consume` the caller's arrays may be scaled in place."""
+        """Add `weight * scale * delta`; with `consume` the caller's arrays may be scaled in place. It never keeps
+        them (the PS decodes the next push into the same buffers)."""
         if not weight > 0:
             raise ValueError(f"weight must be positive, got {weight}")
         factor = np.float32(weight * scale)

@@ -26,12 +26,12 @@ Admit = Callable[[Delta, int, Path | None], m.PushReply]
 
 
 class Ingest:
-    """Decodes pushes as they arrive. A push that finds one of `slots` (ps.decode_threads) free streams its chunks
-    to a decoder on the pool (`pool`, as many threads) while the handler thread hashes them (and writes them to a
-    staging file when the delta may be journaled); zstd and numpy release the GIL, so concurrent pushes decode on
-    every core, and a push's decoding overlaps its transfer. Nothing decoded is used before the stream's length and
-    sha256 verified: a broken stream leaves the model untouched. A push that finds no free slot is staged whole and
-    decoded later (ParameterServerLogic's staged path), and takes a slot then.
+    """Decodes pushes as they arrive. A push that finds one of the `threads` (ps.decode_threads) decoder slots
+    free streams its chunks to a decoder on a pool of as many threads while the handler thread hashes them (and
+    writes them to a staging file when the delta may be journaled); zstd and numpy release the GIL, so concurrent
+    pushes decode on every core, and a push's decoding overlaps its transfer. Nothing decoded is used before the
+    stream's length and sha256 verified: a broken stream leaves the model untouched. A push that finds no free slot
+    is staged whole and decoded later (ParameterServerLogic's staged path), and takes a slot then.
 
     Memory: a slot keeps the buffers it decodes dense deltas into (a Scratch: writing fresh pages costs more than
     decoding, and threads faulting them in at once contend in the kernel), so the PS holds `threads` models' worth
@@ -125,11 +125,13 @@ class Ingest:
             feed = _Feed(chunks)
             try:
                 name, delta = codec.decode_stream(feed, expected, sparse=True, scratch=scratch)
-            except CodecError as exc:
-                feed.drain()  # the handler must never block on a full queue
+            except BaseException as exc:
+                feed.drain()  # whatever went wrong, the handler must never block on a full queue
                 if feed.aborted:
                     raise _Aborted() from None
-                raise ProtocolError(f"delta refused: {exc}") from None
+                if isinstance(exc, CodecError):
+                    raise ProtocolError(f"delta refused: {exc}") from None
+                raise
             if feed.aborted:
                 raise _Aborted()
             if name != header.codec:
