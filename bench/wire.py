@@ -11,7 +11,8 @@ The payload is the encoded delta; its checksum is computed before timing, as a s
 Per codec also (c) two PushDeltas at once from two threads (two sites), and once (d) the bare method carrying
 the raw float32 bytes of the same parameters. The JSON's top level has, for the first codec (int8 by default):
 int8_params_vs_raw_fp32, its push ingest in parameters/s over (d)'s (>= 1: compression never makes the PS slower
-than shipping fp32), and concurrent_speedup, (c)'s parameters/s over (b)'s.
+than shipping fp32), and concurrent_speedup, (c)'s parameters/s over (b)'s. The PS's CPU time per push, alone and
+two at once, tells contention (it grows) from a machine without free cores (it stays, the wall time grows).
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ def timed(fn: Any, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def ps_cpu(child: PSProcess) -> float:
+    """CPU seconds (user + system) the PS process has used so far."""
+    fields = Path(f"/proc/{child.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def both(fn: Any) -> None:
@@ -111,8 +118,11 @@ def measure(codec_name: str, args: argparse.Namespace) -> dict[str, Any]:
 
                 raw_s = timed(raw, args.repeats)
                 raw_fp32_s = timed(raw_fp32, args.repeats)
+            cpu0 = ps_cpu(child)
             push_s = timed(real_push, args.repeats)
+            cpu1 = ps_cpu(child)
             push2_s = timed(lambda: both(real_push), args.repeats)
+            cpu2 = ps_cpu(child)
             rss = child.ask("rss")
     finally:
         child.close()
@@ -131,6 +141,8 @@ def measure(codec_name: str, args: argparse.Namespace) -> dict[str, Any]:
         "params_vs_raw_fp32": round(raw_fp32_s / push_s, 3),
         "two_pushes_mparams_per_s": round(2 * params / push2_s / 1e6, 1),
         "concurrent_speedup": round(2 * push_s / push2_s, 3),
+        "ps_cpu_ms_per_push": round(1000 * (cpu1 - cpu0) / (args.repeats + 1), 1),
+        "ps_cpu_ms_per_push_two_at_once": round(1000 * (cpu2 - cpu1) / (2 * (args.repeats + 1)), 1),
         "decode_only_mb_per_s": round(mb / decode_s, 1),
         "ps_peak_rss_mb": round(rss["peak_rss_mb"], 1),
     }
@@ -146,11 +158,11 @@ def main() -> None:
     args = p.parse_args()
     rows = [measure(name, args) for name in args.codecs.split(",")]
     head = ("payload MB", "raw MB/s", "push MB/s", "ratio", "Mparam/s", "fp32 Mp/s", "vs fp32", "x2 Mp/s", "speedup")
-    head += ("decode MB/s", "PS RSS MB")
+    head += ("decode MB/s", "PS ms CPU", "x2 ms CPU", "PS RSS MB")
     print(f"{'codec':<8}" + "".join(f"{h:>12}" for h in head))
     keys = ("payload_mb", "raw_mb_per_s", "push_mb_per_s", "ratio", "push_mparams_per_s", "raw_fp32_mparams_per_s")
     keys += ("params_vs_raw_fp32", "two_pushes_mparams_per_s", "concurrent_speedup", "decode_only_mb_per_s")
-    keys += ("ps_peak_rss_mb",)
+    keys += ("ps_cpu_ms_per_push", "ps_cpu_ms_per_push_two_at_once", "ps_peak_rss_mb")
     for r in rows:
         print(f"{r['codec']:<8}" + "".join(f"{r[k]:>12}" for k in keys))
     first = rows[0]
