@@ -94,7 +94,7 @@ class PSConfig:
     max_concurrent_downloads: AtLeastOne = 4
     """Model or update downloads sent at once."""
     decode_threads: AtLeastOne = 2
-    """Threads that decode verified pushes (about a model each)."""
+    """Threads that decode pushes as they arrive (each keeps a model's worth of buffers to decode into)."""
     stream_window_bytes: Annotated[StrictInt, Field(ge=0)] = 1 << 20
     """Receive window of each stream, at least 65536 (0: gRPC sizes windows by bandwidth x delay)."""
     max_workers: Annotated[StrictInt, Field(ge=4)] = 128
