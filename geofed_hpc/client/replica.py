@@ -47,7 +47,7 @@ class Replica:
         self, name: str, group: SiteGroup, exchange: Exchange, private: list[str], events: EventLog | None = None
     ) -> None:
         self.name, self.group, self.exchange, self.private = name, group, exchange, private
-        self.events = events
+        self.events = events  # a `pulled` event per pull (the version, how it came, the model's digest)
         self.base: Params = {}
         self.version = 0
         self.exact = True
@@ -84,6 +84,9 @@ class Replica:
                 logger.error("%s: the model of version %d does not match its digest", self.name, header.version)
         self.group.load_model(self.with_private(arrays))
         self.base, self.version, self.exact = arrays, header.version, True
+        if self.events is not None:
+            digest = header.model_digest or codec.model_digest(arrays)  # checked equal above when the PS sent one
+            self.events("pulled", version=header.version, kind=header.kind, bytes=len(payload), digest=digest.hex())
 
     def _matches(self, header: m.ModelHeader, arrays: Params) -> bool:
         """Whether `arrays` are the PS's model of header.version, bit for bit (a PS that sends no digest: yes).

@@ -42,6 +42,13 @@ class RunConfig:
             self.data = replace(self.data, tokenizer=self.model_tokenizer())
         if not self.paradigm.targets:
             self.paradigm = replace(self.paradigm, targets=list(DEFAULT_TARGETS[self.model.arch]))
+        keep = self.codec.chunk * self.ps.downlink_density
+        check(
+            self.ps.downlink_density == 0 or (abs(keep - round(keep)) <= 1e-6 * keep and 1 <= round(keep)),
+            "ps.downlink_density",
+            f"codec.chunk x ps.downlink_density must be a whole number of values kept per chunk; "
+            f"{self.codec.chunk} x {self.ps.downlink_density:g} = {keep:g}",
+        )
         if self.paradigm.name == "zo":
             check(
                 self.train.max_local_steps >= 1,

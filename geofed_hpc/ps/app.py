@@ -59,7 +59,7 @@ class ParameterServer:
         self.cfg = cfg
         limit_malloc_arenas()
         exchange = exchange_for(cfg.paradigm, cfg.train.max_local_steps)
-        self.logic = ParameterServerLogic(cfg.ps, run_settings(cfg), exchange=exchange)
+        self.logic = ParameterServerLogic(cfg.ps, run_settings(cfg), exchange=exchange, codec=cfg.codec)
         self.exporter: PrometheusExporter | None = None
         self.recorder: Recorder | None = None
         self._logged: tuple[int, float] | None = None
