@@ -123,7 +123,7 @@ def test_run_directory_on_a_node_local_filesystem_warns() -> None:
 def test_site_run_dir_is_fixed_and_expands_the_login_environment() -> None:
     cfg, _ = compose_config(["site=tacc", "federation=exp1"])
     assert executor.site_run_dir(cfg, environ=LOGIN_ENV) == Path("/scratch/alice/geofed/runs/exp1")
-    with pytest.raises(ConfigError, match=r"site.run_dir: '\$SCRATCH/geofed/runs' uses an environment variable"):
+    with pytest.raises(ConfigError, match=r"site.run_dir: '\$SCRATCH/geofed/runs' uses \$SCRATCH, which is not set"):
         executor.site_run_dir(cfg, environ={})
     assert str(executor.site_run_dir(cfg, environ={}, strict=False)) == "$SCRATCH/geofed/runs/exp1"
     local, _ = compose_config(["site=slurm_local", "run_dir=/shared/runs/exp1"])

@@ -114,18 +114,40 @@ class SiteSync:
 
     def _push_or_rejoin(self, steps: int, loss: float) -> tuple[int, int]:
         """A PS that answers but no longer knows our session (it restarted without its state) is joined again, and
-        re-seeded with our base when it holds no model; then the work goes out."""
-        try:
-            return self.push(steps, loss)
-        except AuthError as exc:
-            self.rejoin(exc)
-        return self.push(steps, loss)
+        re-seeded with our base when it holds no model or an older one; a PS that refuses our work as from the future
+        (it came back from an older snapshot without its journal) is re-seeded with our base. Then the work goes
+        out, once."""
+        for attempt in range(3):
+            try:
+                return self.push(steps, loss)
+            except AuthError as exc:
+                if attempt == 2:
+                    raise
+                self.rejoin(exc)
+            except StaleError:
+                if attempt == 2 or not self.reseed_if_behind(self.link.ps_version(self.replica.version)):
+                    raise
+        raise AssertionError("unreachable")
 
     def rejoin(self, why: Exception) -> None:
-        """Join again; re-seed a PS that holds no model with our base, so the federation goes on from our version."""
+        """Join again; re-seed a PS that holds no model, or an older one, with our base, so the federation goes on
+        from our version."""
         self.link.rejoin(why, self.replica.version)
-        if not self.link.session.initialized and self.link.seed(self.replica.seed_arrays(), self.replica.version):
-            self.replica.exact = True  # the PS's model is now our base, bit for bit
+        if not self.link.session.initialized:
+            if self.link.seed(self.replica.seed_arrays(), self.replica.version):
+                self.replica.exact = True  # the PS's model is now our base, bit for bit
+        else:
+            self.reseed_if_behind(self.link.session.version)
+
+    def reseed_if_behind(self, ps_version: int | None) -> bool:
+        """The freshest copy wins: when the PS's version is older than our base, our base becomes the global model
+        (its version ours), so that our work since then applies on top of it. Whether it did."""
+        if ps_version is None or ps_version >= self.replica.version or not self.replica.base:
+            return False
+        if not self.link.seed(self.replica.seed_arrays(), self.replica.version, behind=ps_version):
+            return False
+        self.replica.exact = True
+        return True
 
     def _pull_after_push(self, wait: timedelta) -> None:
         """Pull the version after our push. If the PS became unreachable since the push went in, train on from
@@ -205,7 +227,7 @@ class SiteSync:
         self.safe.busy()
         try:
             loss = float(pending["loss_sum"]) / steps
-            sent, _ = self.push(steps, loss)
+            sent, _ = self._push_or_rejoin(steps, loss)
             self.safe.pushed()
             progress.syncs += 1
             if self.rec is not None:
