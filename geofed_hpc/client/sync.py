@@ -11,7 +11,7 @@ from geofed_hpc.client.checkpoints import Restored
 from geofed_hpc.client.group import SiteGroup
 from geofed_hpc.client.link import PSLink
 from geofed_hpc.client.progress import Interval, Progress
-from geofed_hpc.client.replica import Replica
+from geofed_hpc.client.replica import PSBehind, Replica
 from geofed_hpc.client.telemetry import RttMeter, SyncTimer, gpu_metrics, rss_gb
 from geofed_hpc.client.uplink import Uplink, Work
 from geofed_hpc.config import RunConfig
@@ -84,8 +84,19 @@ class SiteSync:
         work = Work(self.link.session_id, self.replica.version, steps, self.tokens_per_step(), loss)
         return self.uplink.push(self.link.connected(), work, self._local_update, self.link.settings, self.timer)
 
-    def pull(self, min_version: int, wait: timedelta) -> None:
-        self.replica.pull(self.link.connected(), self.link.session_id, min_version, wait, self.timer)
+    def pull(self, min_version: int, wait: timedelta, pushed: int | None = None) -> None:
+        """Take the global model. A PS found behind our base came back without its journal: the freshest copy wins
+        and re-seeds it, our base, or with `pushed` (the version our push made, lost with that journal) the local
+        model, which holds the pushed work."""
+        client, session = self.link.connected(), self.link.session_id
+        try:
+            self.replica.pull(client, session, min_version, wait, self.timer)
+        except PSBehind as behind:
+            if pushed is not None:
+                self.replica.adopt_local(pushed)
+            if not self.reseed_if_behind(behind.version):  # another site's copy won: take it whole
+                self.replica.base = {}
+                self.replica.pull(client, session, 0, timedelta(0), self.timer)
         self.uplink.new_base()  # work since this base is new work
 
     def exchange(self, steps: int, loss: float) -> Synced | None:
@@ -153,7 +164,7 @@ class SiteSync:
         """Pull the version after our push. If the PS became unreachable since the push went in, train on from
         the local model: it becomes the base at the version pushed to (the next pull is a full one)."""
         try:
-            self.pull(self.replica.version + 1, wait)
+            self.pull(self.replica.version + 1, wait, pushed=self.uplink.push_version)
         except (UnavailableError, AuthError) as exc:
             logger.warning("%s: %s; our delta is in, training on from the local model", self.name, exc)
             self.link.events("pull_failed", version=self.uplink.push_version, error=str(exc)[:300])

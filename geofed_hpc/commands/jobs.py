@@ -83,9 +83,10 @@ def _launch_slurm(cfg: RunConfig) -> int:
     from geofed_hpc.paths import writable_dir
 
     check_slurm_site(cfg)
+    run_dir = site_run_dir(cfg, strict=not OPTIONS.dry_run)
     if not OPTIONS.dry_run:
         require_slurm(cfg)  # sbatch and srun: before the slower checks
-    run_dir = site_run_dir(cfg, strict=not OPTIONS.dry_run)
+        writable_dir(run_dir, "site.run_dir" if cfg.site.run_dir else "run_dir")
     found = preflight(cfg, run_dir, cfg.ps.address)
     if OPTIONS.dry_run:
         print("\n".join(f"# {line}" for line in federation_summary(cfg, run_dir)))
@@ -99,7 +100,6 @@ def _launch_slurm(cfg: RunConfig) -> int:
             raise error
         return 0
     _checked(found)
-    writable_dir(run_dir, "site.run_dir" if cfg.site.run_dir else "run_dir")
     records = submit_site(cfg, cfg.ps.address)
     manifest = record_jobs(run_dir, cfg.federation, cfg.ps.address, cfg.site.name, to_dict(cfg), records)
     for r in records:

@@ -18,6 +18,7 @@ from geofed_hpc.config.fields import split_host_port
 from geofed_hpc.config.run import shape_difference
 from geofed_hpc.errors import ConfigError, GeofedError
 from geofed_hpc.launch.executor import site_names
+from geofed_hpc.paths import os_reason
 
 PROBE_TIMEOUT = timedelta(seconds=3)
 SLURM_TIMEOUT = timedelta(seconds=15)
@@ -115,7 +116,12 @@ def check_checkpoints(cfg: RunConfig, run_dir: Path) -> list[Finding]:
     """Each site's newest checkpoint in the run directory: the same model and paradigm, and not finished already."""
     found = []
     for name in site_names(cfg):
-        files = CheckpointStore(run_dir / "sites" / name / "ckpt", prefix="site").files()
+        folder = run_dir / "sites" / name / "ckpt"
+        try:
+            files = CheckpointStore(folder, prefix="site").files()
+        except OSError as exc:
+            found.append(Finding("error", "checkpoints", f"run_dir: cannot read {folder}: {os_reason(exc)}"))
+            continue
         if not files:
             continue
         path = files[-1][1]
