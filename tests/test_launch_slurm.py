@@ -344,8 +344,8 @@ def _prepared(folder: Path, shards: int) -> Path:
 
 def test_preflight_names_each_mistake_that_would_surface_only_on_the_compute_node(tmp_path: Path) -> None:
     from geofed_hpc.ckpt import CheckpointStore
+    from geofed_hpc.commands.preflight import check_checkpoints, check_data, check_model, first_error
     from geofed_hpc.config.run import model_shape
-    from geofed_hpc.launch.preflight import check_checkpoints, check_data, check_model, first_error
 
     def error(found: list) -> str:
         err = first_error(found)
@@ -375,7 +375,7 @@ def test_preflight_names_each_mistake_that_would_surface_only_on_the_compute_nod
 
 
 def test_preflight_warns_about_the_ps_with_the_settings_to_add(tmp_path: Path) -> None:
-    from geofed_hpc.launch.preflight import check_ps
+    from geofed_hpc.commands.preflight import check_ps
 
     cfg, _ = compose_config(["site=osc", "ps=cloud", f"ps.ca_file={tmp_path / 'ca.crt'}"])
     found = check_ps(cfg, "vm.example.org:50051")
@@ -384,6 +384,7 @@ def test_preflight_warns_about_the_ps_with_the_settings_to_add(tmp_path: Path) -
     assert "token issue site=osc" in found[1].message and "site.token=" in found[1].message
     plain, _ = compose_config(["site=osc", "site.token=x"])
     assert check_ps(plain, "")[0].message.startswith("ps.address: Slurm site jobs dial the parameter server")
+    assert check_ps(plain, "127.0.0.1:0")[0].message.startswith("ps.address: port 0 of '127.0.0.1:0' is out of range")
     loop = check_ps(plain, "127.0.0.1:9")
     assert loop[0].level == "warning" and "is the compute node itself" in loop[0].message
     assert loop[-1].level == "warning" and "nothing answers at 127.0.0.1:9" in loop[-1].message

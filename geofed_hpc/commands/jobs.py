@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from geofed_hpc.commands.options import OPTIONS
 from geofed_hpc.config import RunConfig
+from geofed_hpc.config.files import GIVEN_DIRS, conf_dir, user_config_dir
 from geofed_hpc.errors import ConfigError
 from geofed_hpc.log import logger
+from geofed_hpc.paths import writable_dir
 
 
 def _checked(found: list[Any]) -> None:
     """Preflight warnings as log lines; the first error ends the command (exit code 2, one line)."""
-    from geofed_hpc.launch.preflight import first_error
+    from geofed_hpc.commands.preflight import first_error
 
     for f in found:
         if f.level == "warning":
@@ -27,7 +30,7 @@ def _checked(found: list[Any]) -> None:
 def cmd_launch(cfg: RunConfig) -> int:
     if cfg.site.executor == "slurm":
         return _launch_slurm(cfg)
-    from geofed_hpc.launch.preflight import first_error, preflight
+    from geofed_hpc.commands.preflight import first_error, preflight
 
     run_dir = Path(cfg.run_dir).expanduser().resolve()
     address = "" if cfg.site.embedded_ps else cfg.ps.dial_address()
@@ -68,6 +71,7 @@ def cmd_launch(cfg: RunConfig) -> int:
 
 
 def _launch_slurm(cfg: RunConfig) -> int:
+    from geofed_hpc.commands.preflight import first_error, preflight
     from geofed_hpc.config import to_dict
     from geofed_hpc.launch.executor import (
         check_slurm_site,
@@ -78,7 +82,6 @@ def _launch_slurm(cfg: RunConfig) -> int:
         site_run_dir,
     )
     from geofed_hpc.launch.manifest import record_jobs
-    from geofed_hpc.launch.preflight import first_error, preflight
     from geofed_hpc.launch.slurm import require_slurm, submit_site
     from geofed_hpc.paths import writable_dir
 
@@ -112,8 +115,8 @@ def _launch_slurm(cfg: RunConfig) -> int:
 
 def cmd_site_check(cfg: RunConfig) -> int:
     """The launch preflight alone: one line per check; exit code 2 when one fails."""
+    from geofed_hpc.commands.preflight import first_error, preflight
     from geofed_hpc.launch.executor import check_slurm_site, site_run_dir
-    from geofed_hpc.launch.preflight import first_error, preflight
 
     if not OPTIONS.site_given:
         raise ConfigError("site: say which site to check, e.g. `geofed-hpc site check site=osc ps.address=HOST:PORT`")
@@ -135,8 +138,6 @@ def cmd_site_check(cfg: RunConfig) -> int:
 
 
 def cmd_site_new(cfg: RunConfig) -> int:
-    from geofed_hpc.config.files import new_site_file
-
     if len(OPTIONS.paths) != 1:
         raise ConfigError("site new: give the new site's name: `geofed-hpc site new mycluster`")
     path, source = new_site_file(OPTIONS.paths[0], OPTIONS.force)
@@ -235,3 +236,22 @@ def cmd_logs(cfg: RunConfig) -> int:
     if OPTIONS.follow:
         follow_logs(jobs)
     return 0
+
+
+def new_site_file(name: str, force: bool = False) -> tuple[Path, Path]:
+    """Write site/`name`.yaml into the first --config-dir (else the user's folder): a copy of the shipped site of that
+    name, else of the template, with `name:` set. (its path, the file it came from); ConfigError when it exists
+    (unless `force`) or the name is not one."""
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
+        raise ConfigError(f"site new: {name!r} is not a site name (letters, digits, _ . -)")
+    folder = writable_dir((GIVEN_DIRS[0] if GIVEN_DIRS else user_config_dir()) / "site", "site new")
+    path = folder / f"{name}.yaml"
+    if path.exists() and not force:
+        raise ConfigError(f"site new: {path} exists; edit it, or pass --force to write it again")
+    shipped = conf_dir() / "site"
+    source = shipped / f"{name}.yaml" if (shipped / f"{name}.yaml").is_file() else shipped / "template.yaml"
+    text = re.sub(r"(?m)^name:[ \t]*\S*", f"name: {name}", source.read_text(), count=1)
+    header = f"# Site {name}: written by `geofed-hpc site new {name}` from {source.name}; check it with\n"
+    header += f"# `geofed-hpc site check site={name} ps.address=HOST:PORT` before `launch site={name}`.\n"
+    path.write_text(header + text)
+    return path, source

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import os
-import re
 from importlib import resources
 from pathlib import Path
-
-from geofed_hpc.errors import ConfigError
 
 # Folders given with --config-dir on this command line (cli.main sets them), searched before the others.
 GIVEN_DIRS: list[Path] = []
@@ -52,24 +49,3 @@ def user_options(group: str) -> dict[str, Path]:
         for path in sorted((root / group).glob("*.yaml")):
             found.setdefault(path.stem, path)
     return found
-
-
-def new_site_file(name: str, force: bool = False) -> tuple[Path, Path]:
-    """Write site/`name`.yaml into the first --config-dir (else the user's folder): a copy of the shipped site of that
-    name, else of the template, with `name:` set. (its path, the file it came from); ConfigError when it exists
-    (unless `force`) or the name is not one."""
-    from geofed_hpc.paths import writable_dir
-
-    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
-        raise ConfigError(f"site new: {name!r} is not a site name (letters, digits, _ . -)")
-    folder = writable_dir((GIVEN_DIRS[0] if GIVEN_DIRS else user_config_dir()) / "site", "site new")
-    path = folder / f"{name}.yaml"
-    if path.exists() and not force:
-        raise ConfigError(f"site new: {path} exists; edit it, or pass --force to write it again")
-    shipped = conf_dir() / "site"
-    source = shipped / f"{name}.yaml" if (shipped / f"{name}.yaml").is_file() else shipped / "template.yaml"
-    text = re.sub(r"(?m)^name:[ \t]*\S*", f"name: {name}", source.read_text(), count=1)
-    header = f"# Site {name}: written by `geofed-hpc site new {name}` from {source.name}; check it with\n"
-    header += f"# `geofed-hpc site check site={name} ps.address=HOST:PORT` before `launch site={name}`.\n"
-    path.write_text(header + text)
-    return path, source

@@ -99,7 +99,7 @@ def submission_environment() -> Iterator[list[str]]:
 
 
 def require_slurm(cfg: RunConfig) -> None:
-    """What submitting needs besides the checks of launch/preflight.py: the site's arithmetic, Slurm's commands."""
+    """What submitting needs besides the checks of commands/preflight.py: the site's arithmetic, Slurm's commands."""
     check_slurm_site(cfg)
     require("sbatch", f"site.executor=slurm: site {cfg.site.name!r} submits its jobs with sbatch")
     require("srun", "submitit's SlurmExecutor refuses to start without it")

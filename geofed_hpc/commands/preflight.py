@@ -160,7 +160,10 @@ def check_ps(cfg: RunConfig, address: str, probe: bool = True) -> list[Finding]:
     if not address:
         who = "Slurm site jobs" if cfg.site.executor == "slurm" else "site jobs"
         return [Finding("error", "ps", f"ps.address: {who} dial the parameter server; set ps.address=host:port")]
-    host, _ = split_host_port(address)
+    try:
+        host, _ = split_host_port(address)
+    except ValueError as exc:
+        return [Finding("error", "ps", f"ps.address: {exc}; give the PS's host:port, e.g. ps.address=vm:50051")]
     if not ps.insecure:
         for key in ("ca_file", "client_cert_file", "client_key_file"):
             value = getattr(ps, key)
@@ -194,6 +197,9 @@ def check_ps(cfg: RunConfig, address: str, probe: bool = True) -> list[Finding]:
 def check_slurm(cfg: RunConfig, run: Runner = run_command) -> list[Finding]:
     """site.partition in `sinfo`'s list, site.account among the user's associations (`sacctmgr`, where present)."""
     site, found = cfg.site, []
+    if shutil.which("sbatch") is None:
+        text = "sbatch is not on PATH here: `launch` needs it (run on the login node, or `module load slurm` first)"
+        found.append(Finding("warning", "slurm", text))
     listed = run(["sinfo", "-h", "-o", "%P"])
     if listed is None:
         found.append(Finding("warning", "slurm", "sinfo does not answer here: site.partition is not checked"))
