@@ -440,3 +440,16 @@ def test_without_slurm_commands_the_host_is_named_not_the_job(tmp_path: Path, mo
     status = cli(["status", f"run_dir={tmp_path}", "ps.address=127.0.0.1:9", "ps.connect_timeout=1s"], tmp_path,
                  PATH=str(tmp_path))  # fmt: skip
     assert "site jobs slurm_local-0: state unknown: no Slurm command here" in status.stdout
+
+
+def test_the_preflight_never_loads_torch_on_the_login_node(tmp_path: Path) -> None:
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom geofed_hpc.cli import compose_config\n"
+        "from geofed_hpc.commands.preflight import preflight\n"
+        "cfg, _ = compose_config(['site=osc', 'ps.address=127.0.0.1:9', 'model=llama3_1b', 'data.tokenizer=gpt2',"
+        f" 'model.init_from={tmp_path}'])\n"
+        f"found = preflight(cfg, Path({str(tmp_path)!r}), cfg.ps.address)\n"
+        "print([f.what for f in found if f.level == 'error'], 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.strip() == "['model'] False"  # init_from (here: no safetensors) checked, torch never imported
