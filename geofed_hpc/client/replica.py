@@ -37,6 +37,15 @@ def apply_updates(base: Params, header: m.ModelHeader, payload: bytes, exchange:
     return base
 
 
+class PSBehind(Exception):  # noqa: N818 - a finding the site acts on, not an error for the user
+    """A pull found the PS at an older version than our base (it came back from an older snapshot without its
+    journal): nothing was loaded; the site re-seeds it (the freshest copy wins)."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"the parameter server is back at version {version}")
+        self.version = version
+
+
 class Replica:
     """`base`: the global model at `version` that local work is measured against (delta = local - base).
     `exact` says whether it is the PS's model bit for bit (False after a lost pull: then it is the model the site
@@ -80,6 +89,7 @@ class Replica:
             arrays = codec.decode(payload)
             if have is not None and header.version < have:
                 logger.warning("%s: the PS is back at version %d (we held %d)", self.name, header.version, have)
+                raise PSBehind(header.version)
             if not self._matches(header, arrays):  # the PS's own model, sent whole: never expected to differ
                 logger.error("%s: the model of version %d does not match its digest", self.name, header.version)
         self.group.load_model(self.with_private(arrays))

@@ -186,11 +186,26 @@ class Coordinator:
         self.strategy.check(h, self.model.version)
 
     def seed_from(self, session: Session, header: m.PushHeader, params: Params) -> m.PushReply:
-        """An init push: `params` become the global model unless there is one."""
+        """An init push: `params` become the global model unless there is one, or unless the site's copy is newer
+        (the freshest wins: this PS came back from a snapshot older than the site's base, its journal lost)."""
         with self._cond:
-            if self.model.initialized:
+            ahead = self.model.initialized and header.base_version > self.model.version
+            if self.model.initialized and not ahead:
                 reason = f"already initialized at version {self.model.version}: pull the global model"
                 return self.ledger.remember(header.push_id, m.PushReply(False, self.model.version, reason))
+            if ahead:
+                assert self.model.params is not None
+                ours = {k: v.shape for k, v in self.model.params.items()}
+                if {k: v.shape for k, v in params.items()} != ours:
+                    reason = "its tensors differ from this PS's model: pull the global model"
+                    return self.ledger.remember(header.push_id, m.PushReply(False, self.model.version, reason))
+                logger.warning(
+                    "site %s holds version %d, newer than ours (%d; restored without the journal since): its copy "
+                    "becomes the global model",
+                    session.site,
+                    header.base_version,
+                    self.model.version,
+                )
             self._seed(params, max(0, header.base_version), f"site {session.site}")
             return self.ledger.remember(header.push_id, m.PushReply(True, self.model.version))
 
