@@ -33,15 +33,23 @@ def describe_os_error(exc: OSError) -> str:
     return f"cannot use{where}: {os_reason(exc)}"
 
 
-def writable_dir(path: str | Path, setting: str) -> Path:
+def writable_dir(path: str | Path, setting: str, make: bool = True) -> Path:
     """`path` (with `~` expanded) as a folder this process can write in, made with its parents; ConfigError naming
-    `setting` (the config key or argument it came from) when it cannot be."""
+    `setting` (the config key or argument it came from) when it cannot be. With `make=False` nothing is created:
+    the nearest folder that exists on the way is tried instead (for commands that make the folder only on success)."""
     folder = Path(path).expanduser()
     try:
         if folder.exists() and not folder.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(folder))
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".geofed-write-test-")
+        tried = folder
+        if make:
+            folder.mkdir(parents=True, exist_ok=True)
+        else:
+            while not tried.exists() and tried != tried.parent:
+                tried = tried.parent
+            if not tried.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(tried))
+        fd, probe = tempfile.mkstemp(dir=tried, prefix=".geofed-write-test-")
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:

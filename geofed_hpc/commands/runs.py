@@ -12,7 +12,7 @@ def cmd_data_prepare(cfg: RunConfig) -> int:
     from geofed_hpc.data.prepare import prepare_shards
     from geofed_hpc.data.tokenizer import run_tokenizer
 
-    out = writable_dir(Path(cfg.run_dir).expanduser() / "data", "run_dir")
+    out = writable_dir(Path(cfg.run_dir).expanduser() / "data", "run_dir", make=False)  # made only on success
     tok = run_tokenizer(cfg)
     index = prepare_shards(cfg.data, out, cfg.site.shards, tok)
     tokens = sum(s.tokens for s in index.train) + (index.val.tokens if index.val else 0)
