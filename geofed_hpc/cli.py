@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from dataclasses import replace
@@ -85,6 +86,16 @@ EXAMPLES = """examples:
 """
 
 
+# key=~/path as the shell passes it (it expands `~` only at the start of a word, not after `ps.ca_file=`): Hydra's
+# grammar has no `~`, so such a value is quoted; the setting's reader expands it (Path.expanduser).
+_HOME_VALUE = re.compile(r"(?P<key>\+{0,2}[A-Za-z_][\w.]*)=(?P<value>~[^'\"\\]*)")
+
+
+def _quote_home(text: str) -> str:
+    match = _HOME_VALUE.fullmatch(text)
+    return f"{match['key']}='{match['value']}'" if match else text
+
+
 def _hydra_overrides(overrides: list[str]) -> list[str]:
     """Check each group option (site=osc) against conf/; force plain key overrides (`++key=value`).
 
@@ -92,6 +103,7 @@ def _hydra_overrides(overrides: list[str]) -> list[str]:
     that a wrong key is named by the sections' own validation (with the valid keys), never by Hydra.
     """
     groups = config_groups()
+    overrides = [_quote_home(o) for o in overrides]
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException as exc:

@@ -101,13 +101,20 @@ def refused_site() -> None:
     raise AuthError("Join refused by the parameter server: unknown enrollment token for site local-0")
 
 
-def slow_site() -> None:
+def slow_site(record: Path) -> None:
+    """A site still training: it notes the signal that stops it (a site checkpoints on SIGTERM), then leaves."""
     import time
 
+    def stopped(signum: int, frame: object) -> None:
+        record.write_text(signal.Signals(signum).name)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stopped)
+    signal.signal(signal.SIGINT, stopped)
     time.sleep(120)
 
 
-def test_a_failed_local_site_reaches_the_launcher_with_its_cause(tmp_path: Path) -> None:
+def test_a_failed_local_site_reaches_the_launcher_with_its_cause(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
     import io
     import time
 
@@ -119,7 +126,7 @@ def test_a_failed_local_site_reaches_the_launcher_with_its_cause(tmp_path: Path)
 
     executor = submitit.LocalExecutor(folder=tmp_path / "submitit" / "%j")
     executor.update_parameters(timeout_min=5)
-    jobs = [executor.submit(refused_site), executor.submit(slow_site)]
+    jobs = [executor.submit(refused_site), executor.submit(slow_site, tmp_path / "stopped-by")]
     started = time.monotonic()
     with pytest.raises(LaunchError) as info:
         follow(jobs, RunConfig(run_dir=str(tmp_path)), time.time(), io.StringIO())
@@ -131,3 +138,6 @@ def test_a_failed_local_site_reaches_the_launcher_with_its_cause(tmp_path: Path)
     while not jobs[1].done() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert jobs[1].done()
+    assert (tmp_path / "stopped-by").read_text() == "SIGTERM"  # as scancel stops it: a checkpoint, then it ends
+    err = capfd.readouterr().err  # what the job controllers print on the launcher's terminal: nothing
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err

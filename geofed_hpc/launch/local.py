@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -18,6 +20,8 @@ from geofed_hpc.launch.jobs import error_cause, tail
 from geofed_hpc.metrics import read_jsonl
 
 POLL_S = 0.5
+# How long the other sites get to checkpoint and leave after one failed, before they are interrupted.
+STOP_WAIT = timedelta(seconds=60)
 
 
 def check_local_device(cfg: RunConfig) -> None:
@@ -77,9 +81,28 @@ def failure(job: submitit.Job) -> str | None:
     return f"site job {job.job_id} failed: {cause}; full log: {job.paths.stderr}"
 
 
+def stop_jobs(jobs: list[submitit.Job], wait: timedelta = STOP_WAIT) -> None:
+    """Stop the jobs still running as scancel does: SIGTERM to each job's controller, which hands it to its tasks (a
+    site checkpoints at its next safe point and leaves). Jobs still running after `wait` are cancelled (SIGINT, whose
+    traceback the controller prints on this terminal)."""
+    running = [job for job in jobs if not job.done()]
+    for job in running:
+        process = getattr(job, "_process", None)  # submitit's LocalJob: the controller; it has no public terminate
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        else:
+            job.cancel(check=False)
+    deadline = time.monotonic() + wait.total_seconds()
+    while any(not job.done() for job in running) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    for job in running:
+        if not job.done():
+            job.cancel(check=False)
+
+
 def follow(jobs: list[submitit.Job], cfg: RunConfig, since: float, out: TextIO = sys.stdout) -> list[dict[str, Any]]:
-    """Print the table until every job ended. When one fails, the others are cancelled and LaunchError names the
-    failed site, the cause and its log."""
+    """Print the table until every job ended. When one fails, the others are stopped (they checkpoint and leave) and
+    LaunchError names the failed site, the cause and its log."""
     follower = Follower(Path(cfg.run_dir) / "metrics", since, out)
     print(progress.header(), file=out, flush=True)
     finished: set[str] = set()  # jobs that ended and did not fail
@@ -90,8 +113,7 @@ def follow(jobs: list[submitit.Job], cfg: RunConfig, since: float, out: TextIO =
             why = next((w for w in map(failure, ended) if w), None)
             finished.update(j.job_id for j in ended)
             if why is not None:
-                for job in jobs:
-                    job.cancel(check=False)
+                stop_jobs(jobs)
                 raise LaunchError(why)
             time.sleep(POLL_S)
     except KeyboardInterrupt:
