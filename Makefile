@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	@echo "[1/4] virtualenv $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	@echo "[2/4] torch==2.13.0 (the CPU build), pinned and first, so the project's range never pulls a CUDA build"
+	@echo "[2/4] torch==2.13.0, pinned and first, so the project's range never pulls a CUDA build"
 	$(PY) -m pip install --progress-bar on torch==2.13.0
 	@echo "[3/4] geofed-hpc and its dependencies (grpcio, wandb, transformers for the tests, ...)"
 	$(PY) -m pip install --progress-bar on -e '.[dev]'
