@@ -130,7 +130,7 @@ class SplitService:
                     after,
                     self.server.kept.sequences,
                 )
-                self._save()
+                self._save("align")
             fitted, version = dict(self.server.fitted), self.server.aligned_version
             steps, alignments = self.server.steps, self.server.alignments
         payload = codec.encode(fitted, FP32) if fitted else b""
@@ -201,10 +201,10 @@ class SplitService:
         return acts, targets.astype(np.int64)
 
     # ---------------------------------------------------------------- lifecycle, views (ps/app.py)
-    def _save(self) -> None:
+    def _save(self, why: str) -> None:
         """Snapshot the server part (hold the lock)."""
         tensors, meta = self.server.state()
-        if self.snapshots.save(tensors, meta) is not None:
+        if self.snapshots.save(tensors, meta, why) is not None:
             self._saved_at = (self.server.steps, self.server.alignments)
 
     def tick(self, version: int) -> None:
@@ -214,13 +214,13 @@ class SplitService:
         with self._lock:
             self._saved_version = version
             if (self.server.steps, self.server.alignments) != self._saved_at:
-                self._save()
+                self._save("version")
 
     def close(self) -> None:
         """The final snapshot, as the PS stops."""
         with self._lock:
             if (self.server.steps, self.server.alignments) != self._saved_at:
-                self._save()
+                self._save("stop")
 
     def metrics(self) -> dict[str, float | int]:
         with self._lock:

@@ -30,8 +30,9 @@ class SplitSnapshots:
             self.count = int(loaded[1].get("snapshot", 0)) + 1
         return loaded
 
-    def save(self, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> Path | None:
-        """Write one atomically; a failure is logged, never fatal (the previous one stays loadable)."""
+    def save(self, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any], why: str) -> Path | None:
+        """Write one atomically (`why`: version, align or stop); a failure is logged, never fatal (the previous one
+        stays loadable)."""
         if self.store is None:
             return None
         try:
@@ -39,6 +40,6 @@ class SplitSnapshots:
         except (OSError, CheckpointError) as exc:
             logger.error("snapshot of the server part failed (the previous one stays loadable): %s", exc)
             return None
-        fault("split.snapshot", str(self.count))
+        fault("split.snapshot", f"{why}:{self.count}")
         self.count += 1
         return path
