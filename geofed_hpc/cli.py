@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import replace
-from importlib import resources
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
+import yaml
+from hydra import compose, version
+from hydra._internal.hydra import Hydra
+from hydra._internal.utils import create_config_search_path
+from hydra.core.config_search_path import SearchPathQuery
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import OverrideType
@@ -20,8 +24,10 @@ from omegaconf.errors import OmegaConfBaseException
 from geofed_hpc import __version__
 from geofed_hpc.commands import HANDLERS, OPTIONS
 from geofed_hpc.config import RunConfig, from_dict
+from geofed_hpc.config.files import GIVEN_DIRS, conf_dir, config_dirs, config_groups, user_options
 from geofed_hpc.errors import ConfigError, GeofedError
 from geofed_hpc.log import logger, setup_logging
+from geofed_hpc.paths import describe_os_error
 
 COMMANDS = {
     "launch": "submit this site's training jobs (site=local runs sites here, with an embedded PS; "
@@ -45,13 +51,18 @@ COMMANDS = {
     "directory's newest global model, a PS snapshot or a site checkpoint) as a Hugging Face folder",
     "generate": 'generate SRC --prompt "..." [--max-new-tokens N] [--temperature T] [--site NAME]: continue a '
     "prompt with a trained model (greedy at temperature 0)",
+    "site new": "site new NAME: write your own site file NAME.yaml (from the template, or a copy of the shipped NAME) "
+    "into ~/.config/geofed-hpc/site/ (or --config-dir DIR/site/)",
+    "site check": "site check site=NAME ps.address=HOST:PORT: the launch preflight alone (model, data, checkpoints, "
+    "the PS and its TLS, Slurm's partition and account), one line per check",
 }
+__all__ = ["compose_config", "conf_dir", "config_groups", "main"]
 # Commands whose first plain word (no '=') is the run directory.
 RUN_DIR_ARG = ("report", "wandb sync")
 # Commands whose first plain word is a token id.
 TOKEN_ID_ARG = ("token revoke",)
 # Commands whose first plain words are paths: how many.
-PATH_ARGS = {"export hf": 2, "generate": 1}
+PATH_ARGS = {"export hf": 2, "generate": 1, "site new": 1}
 EXAMPLES = """examples:
   geofed-hpc launch site=local model=tiny             # local federation: PS + 2 sites on this machine
   geofed-hpc launch train.max_syncs=3 site.num_sites=3
@@ -68,22 +79,10 @@ EXAMPLES = """examples:
   geofed-hpc data prepare data.source='corpus/*.jsonl.zst' model=llama3_1b data.tokenizer=~/Llama-3.2-1B/tokenizer.json
   geofed-hpc export hf runs/geofed out/model --dtype bf16   # the newest global model as a Hugging Face folder
   geofed-hpc generate runs/geofed --prompt "In the beginning" --max-new-tokens 40
+  geofed-hpc site new mycluster                       # ~/.config/geofed-hpc/site/mycluster.yaml to edit
+  geofed-hpc site check site=mycluster ps=cloud ps.address=vm.example.org:50051   # the preflight alone
   geofed-hpc launch --cfg                             # print the composed config and exit
 """
-
-
-def conf_dir() -> Path:
-    """The shipped configuration directory (inside the installed package, or conf/ in a checkout)."""
-    return Path(str(resources.files("geofed_hpc.conf")))
-
-
-def config_groups() -> dict[str, list[str]]:
-    root = conf_dir()
-    return {
-        d.name: sorted(p.stem for p in d.glob("*.yaml"))
-        for d in sorted(root.iterdir())
-        if d.is_dir() and not d.name.startswith(("_", "."))
-    }
 
 
 def _hydra_overrides(overrides: list[str]) -> list[str]:
@@ -112,17 +111,37 @@ def _hydra_overrides(overrides: list[str]) -> list[str]:
     return out
 
 
+def _initialize() -> None:
+    """Hydra over the shipped conf/, with the user's folders before it (Hydra's own `hydra.searchpath` comes
+    after the primary folder, so a user's osc.yaml would lose to the shipped one)."""
+    version.setbase("1.3")
+    search = create_config_search_path(search_path_dir=str(conf_dir()))
+    for folder in config_dirs()[:-1]:
+        if folder.is_dir():
+            search.prepend("geofed-user", str(folder.resolve()), anchor=SearchPathQuery(provider="main"))
+    Hydra.create_main_hydra2(task_name="geofed-hpc", config_search_path=search)
+
+
+def _yaml_error(exc: yaml.YAMLError) -> ConfigError:
+    mark = getattr(exc, "problem_mark", None)
+    where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}" if mark is not None else "a config file"
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return ConfigError(f"{where}: not valid YAML ({problem}); fix that line of the file")
+
+
 def compose_config(overrides: list[str]) -> tuple[RunConfig, str]:
-    """Compose conf/ with Hydra's override grammar; return the typed config and its YAML."""
+    """Compose the config folders with Hydra's override grammar; return the typed config and its YAML."""
     forced = _hydra_overrides(overrides)
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            raw = compose(config_name="config", overrides=forced)
+        _initialize()
+        raw = compose(config_name="config", overrides=forced)
         plain = OmegaConf.to_container(raw, resolve=True)
     except (HydraException, OmegaConfBaseException) as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         raise ConfigError(" ".join(lines[:2])) from None
+    except yaml.YAMLError as exc:
+        raise _yaml_error(exc) from None
     finally:
         GlobalHydra.instance().clear()
     return from_dict(RunConfig, plain), OmegaConf.to_yaml(raw, resolve=True)
@@ -136,6 +155,9 @@ def _help_text() -> str:
     lines += [f"  {name:<12} {text}" for name, text in COMMANDS.items()]
     lines += ["", "config groups (choose one option each, e.g. site=local):"]
     lines += [f"  {group:<8} {', '.join(opts)}" for group, opts in config_groups().items()]
+    mine = user_options("site")
+    lines += ["", "config folders, searched in this order: " + ", ".join(str(d) for d in config_dirs())]
+    lines += [f"  site={name}: {path}" for name, path in mine.items()]
     lines += ["", "any value can be set with dotted keys: ps.port=50051 train.sync_interval=5m codec.block_size=4096"]
     lines += ["", EXAMPLES]
     return "\n".join(lines)
@@ -145,6 +167,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="geofed-hpc", add_help=False)
     p.add_argument("words", nargs="*")
     p.add_argument("--cfg", action="store_true", help="print the composed config and exit")
+    p.add_argument("--config-dir", action="append", default=[], metavar="DIR", help="config files before the others")
     p.add_argument("--dry-run", action="store_true", help="launch: print the sbatch files, submit nothing")
     p.add_argument("--follow", action="store_true", help="logs: keep printing until the jobs end")
     p.add_argument("--init-from", metavar="CKPT", default="", help="ps up: seed the global model from CKPT")
@@ -197,9 +220,19 @@ def shard_overrides(counts: list[int], i: int) -> list[str]:
 def _launch_each(sites: list[str], overrides: list[str], args: argparse.Namespace) -> int:
     flags = [f for f, on in (("--cfg", args.cfg), ("--dry-run", args.dry_run), ("-q", args.quiet)) if on]
     flags += ["-v"] if args.verbose else []
+    flags += [f"--config-dir={d}" for d in args.config_dir]
     per_site = [[f"site={site}" if o.startswith("site=") else o for o in overrides] for site in sites]
+    configs = [compose_config(o)[0] for o in per_site]
+    names = [c.site.name for c in configs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(
+            f"site: {', '.join(twice)} is given twice in site={','.join(sites)}; its jobs would share one checkpoint "
+            f"folder per site ({configs[names.index(twice[0])].site.name}-0, ...): name each site config once "
+            "(more jobs of one site: site.num_sites=N)"
+        )
     if not any(o.startswith(("site.first_shard=", "site.shard_count=")) for o in overrides):
-        counts = [compose_config(o)[0].site.num_sites for o in per_site]
+        counts = [c.site.num_sites for c in configs]
         per_site = [[*o, *shard_overrides(counts, i)] for i, o in enumerate(per_site)]
     for site_overrides in per_site:
         code = main([*flags, "launch", *site_overrides])
@@ -213,10 +246,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.version:
         print(f"geofed-hpc {__version__}")
         return 0
+    GIVEN_DIRS[:] = [Path(d).expanduser().absolute() for d in args.config_dir]
     if args.help or not args.words:
         print(_help_text())
         return 0
+    # gRPC's C core logs handshake failures on its own; our errors name them in one line (-v: gRPC's too)
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR" if args.verbose else "NONE")
     try:
+        missing = [d for d in GIVEN_DIRS if not d.is_dir()]
+        if missing:
+            raise ConfigError(f"--config-dir: {missing[0]} is not a folder (it holds site/NAME.yaml and other groups)")
         OPTIONS.token_id = ""
         command, overrides = _split(args.words)
         OPTIONS.dry_run, OPTIONS.follow = args.dry_run, args.follow
@@ -241,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except GeofedError as exc:
         print(f"geofed-hpc: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path the command reads or writes: one line (-v: the stack too)
+        logger.debug("file system error", exc_info=True)
+        print(f"geofed-hpc: error: {describe_os_error(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("geofed-hpc: interrupted", file=sys.stderr)

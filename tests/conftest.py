@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -12,6 +13,12 @@ import pytest
 
 from geofed_hpc.config import PSConfig, RunConfig
 from geofed_hpc.log import logger
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_user_config(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Tests (and the commands they start) never read the developer's own ~/.config/geofed-hpc site files."""
+    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("xdg-config"))
 
 
 def small_params(seed: int = 0) -> dict[str, np.ndarray]:

@@ -188,3 +188,28 @@ def test_command_line_error_is_one_line(capsys: pytest.CaptureFixture) -> None:
     assert err.startswith("geofed-hpc: error: unknown key ps.prot; valid keys in ps: address,") and err.count("\n") == 1
     assert main(["launch", "site.gpus_per_node=-1", "--cfg"]) == 2
     assert capsys.readouterr().err == "geofed-hpc: error: site.gpus_per_node: must be 0 or more, got -1\n"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["ps.address=vm:70000"], "ps.address: port 70000 of 'vm:70000' is out of range: a port is 1..65535"),
+        (["ps.address=vm:0"], "ps.address: port 0 of 'vm:0' is out of range: a port is 1..65535"),
+        (["ps.address=vm.example.org"], "ps.address: expected host:port (e.g. vm.example.org:50051"),
+        (["ps.address=:50051"], "ps.address: expected host:port"),
+        (["site.proxy=http://proxy:99999"], "site.proxy: port 99999 of 'proxy:99999' is out of range"),
+        (["site.proxy=proxy:3128"], "site.proxy: expected http://host:port, got 'proxy:3128'"),
+        (["site.cpus_per_site=4"], "site.cpus_per_site: renamed to site.cpus_per_task"),
+    ],
+)
+def test_every_address_is_checked_when_the_config_is_read(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        compose_config(overrides)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_good_addresses_are_taken_as_given() -> None:
+    cfg, _ = compose_config(["ps.address='[2001:db8::1]:50051'", "site.proxy=http://proxy.example.org:3128"])
+    assert cfg.ps.address == "[2001:db8::1]:50051" and cfg.site.proxy == "http://proxy.example.org:3128"
+    assert compose_config(["ps.address=vm.example.org:65535"])[0].ps.address == "vm.example.org:65535"
+    assert compose_config(["site.cpus_per_task=4"])[0].site.cpus_per_task == 4

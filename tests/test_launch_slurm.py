@@ -123,7 +123,7 @@ def test_run_directory_on_a_node_local_filesystem_warns() -> None:
 def test_site_run_dir_is_fixed_and_expands_the_login_environment() -> None:
     cfg, _ = compose_config(["site=tacc", "federation=exp1"])
     assert executor.site_run_dir(cfg, environ=LOGIN_ENV) == Path("/scratch/alice/geofed/runs/exp1")
-    with pytest.raises(ConfigError, match=r"site.run_dir: '\$SCRATCH/geofed/runs' uses an environment variable"):
+    with pytest.raises(ConfigError, match=r"site.run_dir: '\$SCRATCH/geofed/runs' uses \$SCRATCH, which is not set"):
         executor.site_run_dir(cfg, environ={})
     assert str(executor.site_run_dir(cfg, environ={}, strict=False)) == "$SCRATCH/geofed/runs/exp1"
     local, _ = compose_config(["site=slurm_local", "run_dir=/shared/runs/exp1"])
@@ -265,3 +265,191 @@ def test_logs_follow_prints_what_the_logs_gain_until_the_jobs_end(
     assert "before follow" not in text  # only what is new
     assert "==> s-0 job 9 stdout <==\nstep 1\n==> s-0 job 9 stderr <==\nrequeued\n" in text
     assert text.endswith("all jobs ended: 9\n") and len(calls) == 2
+
+
+def test_dry_run_shows_expanded_paths_and_the_federation_settings(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.crt"
+    ca.write_text("a CA")
+    args = ["launch", "site=tacc", "ps=cloud", "ps.address=vm.example.org:50051", f"ps.ca_file={ca}"]
+    result = cli([*args, "site.token=t0k", "model=tiny_llama", "codec=int4", "--dry-run"], tmp_path, **LOGIN_ENV)
+    assert result.returncode == 0, result.stderr
+    head = result.stdout.split("#!/bin/bash", 1)[0]
+    assert "$SCRATCH" not in result.stdout and "/scratch/alice/geofed/runs/geofed" in head
+    assert "parameter server vm.example.org:50051, TLS, CA " + str(ca) + ", enrollment token set" in head
+    assert "model tiny_llama (llama), paradigm identity, codec int4" in head
+    assert "# preflight" in head and "ok       tls" not in head and "error" not in head
+
+
+def test_dry_run_expands_user_from_the_system_and_names_a_variable_that_is_not_set(tmp_path: Path) -> None:
+    import getpass
+
+    env = {k: v for k, v in os.environ.items() if k not in ("USER", "LOGNAME", "SCRATCH")}
+    result = subprocess.run(
+        CLI + ["launch", "site=osc", "ps.address=vm.example.org:50051", "--dry-run"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "$USER" not in result.stdout and f"/fs/scratch/PAS0000/{getpass.getuser()}/geofed/runs" in result.stdout
+    tacc = subprocess.run(
+        CLI + ["launch", "site=tacc", "ps.address=vm.example.org:50051", "--dry-run"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert "$SCRATCH is not set here: `launch` refuses it until it is" in tacc.stdout
+
+
+def _fake_slurm(folder: Path, partitions: str, accounts: str) -> dict[str, str]:
+    """sinfo and sacctmgr that answer as a cluster would, first on PATH."""
+    folder.mkdir(exist_ok=True)
+    for name, out in (("sinfo", partitions), ("sacctmgr", accounts)):
+        script = folder / name
+        script.write_text(f"#!/bin/sh\nprintf '{out}'\n")
+        script.chmod(0o755)
+    return {"PATH": f"{folder}:{os.environ['PATH']}", "USER": "alice"}
+
+
+def test_site_check_runs_the_preflight_alone_and_names_what_slurm_lacks(tmp_path: Path) -> None:
+    env = _fake_slurm(tmp_path / "bin", "gpu*\\ndebug\\n", "pas1234\\n")
+    ok = cli(["site", "check", "site=osc", "site.account=PAS1234", "ps.address=127.0.0.1:9"], tmp_path, **env)
+    assert ok.returncode == 0, ok.stderr
+    lines = ok.stdout.splitlines()
+    assert any(line.startswith("ok") and "partition gpu exists" in line for line in lines)
+    assert any(line.startswith("ok") and "account PAS1234 is one of alice's" in line for line in lines)
+    assert any(line.startswith("warning") and "nothing answers at 127.0.0.1:9" in line for line in lines)
+    assert lines[-1] == "site osc: ready to launch"
+    bad = cli(["site", "check", "site=osc", "site.partition=gpux", "ps.address=127.0.0.1:9"], tmp_path, **env)
+    assert bad.returncode == 2 and "\n" not in bad.stderr.strip()
+    assert "site.partition: 'gpux' is not a partition here; sinfo lists debug, gpu" in bad.stderr
+    account = cli(["site", "check", "site=osc", "ps.address=127.0.0.1:9"], tmp_path, **env)  # osc's PAS0000
+    assert account.returncode == 2 and "site.account: 'PAS0000' is not one of alice's accounts here: pas1234" in (
+        account.stderr
+    )
+    assert "error    slurm" in account.stdout
+
+
+def _prepared(folder: Path, shards: int) -> Path:
+    """A shard folder's index as `data prepare` writes it (the preflight reads only the index)."""
+    from geofed_hpc.data.shards import ShardFile, ShardIndex, write_index
+    from geofed_hpc.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("gpt2")
+    train = [ShardFile(f"train-{i}.bin", 1000, "0" * 64) for i in range(shards)]
+    index = ShardIndex(
+        "gpt2", tok.vocab_size, tok.eot_id, "<u2", 50000, "corpus", train, ShardFile("val.bin", 100, "0")
+    )
+    index.tokenizer_sha256 = tok.identity
+    folder.mkdir(parents=True)
+    write_index(folder, index)
+    return folder
+
+
+def test_preflight_names_each_mistake_that_would_surface_only_on_the_compute_node(tmp_path: Path) -> None:
+    from geofed_hpc.ckpt import CheckpointStore
+    from geofed_hpc.commands.preflight import check_checkpoints, check_data, check_model, first_error
+    from geofed_hpc.config.run import model_shape
+
+    def error(found: list) -> str:
+        err = first_error(found)
+        return str(err) if err else ""
+
+    cfg, _ = compose_config(["model=llama3_1b", f"model.init_from={tmp_path / 'Llama-3.2-1B'}"])
+    assert error(check_model(cfg)).startswith(f"model.init_from: {tmp_path / 'Llama-3.2-1B'} does not exist")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"")
+    (folder / "config.json").write_text('{"hidden_size": 1024}')
+    cfg, _ = compose_config(["model=llama3_1b", f"model.init_from={folder}", "data.tokenizer=gpt2"])
+    assert error(check_model(cfg)).startswith("model.d_model: is 2048 but the checkpoint's")
+
+    data = _prepared(tmp_path / "data", shards=2)
+    cfg, _ = compose_config([f"data.source={data}", "site.num_sites=3"])
+    assert "site.num_sites: sites 0..2 of 3 need 3 train shards but" in error(check_data(cfg))
+    assert error(check_data(compose_config([f"data.source={data}", "site.num_sites=2"])[0])) == ""
+
+    run = tmp_path / "run"
+    cfg, _ = compose_config([f"run_dir={run}"])
+    other, _ = compose_config(["model.n_layers=3"])
+    CheckpointStore(run / "sites" / "local-1" / "ckpt", prefix="site").save(
+        2, {}, {"syncs": 2, "model": model_shape(other)}
+    )
+    assert "is of another model (model.n_layers=3, this run has 2)" in error(check_checkpoints(cfg, run))
+
+
+def test_preflight_warns_about_the_ps_with_the_settings_to_add(tmp_path: Path) -> None:
+    from geofed_hpc.commands.preflight import check_ps
+
+    cfg, _ = compose_config(["site=osc", "ps=cloud", f"ps.ca_file={tmp_path / 'ca.crt'}"])
+    found = check_ps(cfg, "vm.example.org:50051")
+    assert [(f.level, f.what) for f in found] == [("error", "tls"), ("warning", "token")]
+    assert f"ps.ca_file: {tmp_path / 'ca.crt'} does not exist here" in found[0].message
+    assert "token issue site=osc" in found[1].message and "site.token=" in found[1].message
+    plain, _ = compose_config(["site=osc", "site.token=x"])
+    assert check_ps(plain, "")[0].message.startswith("ps.address: Slurm site jobs dial the parameter server")
+    assert check_ps(plain, "127.0.0.1:0")[0].message.startswith("ps.address: port 0 of '127.0.0.1:0' is out of range")
+    loop = check_ps(plain, "127.0.0.1:9")
+    assert loop[0].level == "warning" and "is the compute node itself" in loop[0].message
+    assert loop[-1].level == "warning" and "nothing answers at 127.0.0.1:9" in loop[-1].message
+
+
+def test_a_failed_job_shows_its_cause_from_its_log(tmp_path: Path) -> None:
+    err = tmp_path / "8_0_log.err"
+    err.write_text(
+        '12:00:01 INFO geofed_hpc: osc-0: joining\nTraceback (most recent call last):\n  File "x.py", line 1\n'
+        "geofed_hpc.errors.AuthError: Join refused by the parameter server: unknown enrollment token\n"
+        "srun: error: node1: task 0: Exited with exit code 1\n"
+    )
+    jobs = {"osc-0": manifest.JobRecord("osc-0", "8", "osc", "slurm", "o", str(err))}
+    table = jobs_table(jobs, {"8": slurm.JobState("8", "FAILED", "sacct")}).splitlines()
+    assert table[1].endswith("FAILED")
+    assert "cause: AuthError: Join refused by the parameter server: unknown enrollment token" in table[2]
+    assert str(err) in table[2]
+    timeout = tmp_path / "9_0_log.err"
+    timeout.write_text("slurmstepd: error: *** JOB 9 ON node1 CANCELLED AT 2025-01-01T00:00:00 DUE TO TIME LIMIT ***\n")
+    jobs = {"osc-1": manifest.JobRecord("osc-1", "9", "osc", "slurm", "o", str(timeout))}
+    assert "cause: JOB 9 ON node1 CANCELLED AT 2025-01-01T00:00:00 DUE TO TIME LIMIT" in jobs_table(
+        jobs, {"9": slurm.JobState("9", "TIMEOUT", "sacct")}
+    )
+    running = jobs_table(jobs, {"9": slurm.JobState("9", "RUNNING", "squeue")})
+    assert "cause" not in running
+
+
+def test_logs_follow_ends_when_slurm_no_longer_knows_the_jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    import threading
+
+    from geofed_hpc.launch import jobs as jobs_mod
+
+    job = {"s-0": manifest.JobRecord("s-0", "77", "s", "slurm", str(tmp_path / "o"), str(tmp_path / "e"))}
+    gone = slurm.JobState("77", "UNKNOWN", "none", "no longer known to squeue, sacct or scontrol")
+    monkeypatch.setattr(jobs_mod, "FOLLOW_POLL", timedelta(0))
+    buf = io.StringIO()
+    thread = threading.Thread(target=jobs_mod.follow_logs, args=(job, buf, lambda ids: {"77": gone}), daemon=True)
+    thread.start()
+    thread.join(timeout=10)
+    assert not thread.is_alive(), "follow_logs kept waiting for a job Slurm forgot"
+    assert buf.getvalue() == "all jobs ended: 77 (77: no longer known to Slurm)\n"
+
+
+def test_without_slurm_commands_the_host_is_named_not_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(LaunchError, match=r"no Slurm command here \(squeue, sacct, scontrol are not on PATH\)"):
+        slurm.job_states(["5"])
+    record = manifest.JobRecord("slurm_local-0", "5", "slurm_local", "slurm", "o", "e")
+    manifest.record_jobs(tmp_path, "geofed", "", "slurm_local", {}, [record])
+    follow = cli(["logs", "site=slurm_local", f"run_dir={tmp_path}", "--follow"], tmp_path, PATH=str(tmp_path))
+    assert follow.returncode == 2 and "no Slurm command here" in follow.stderr and "Traceback" not in follow.stderr
+    status = cli(["status", f"run_dir={tmp_path}", "ps.address=127.0.0.1:9", "ps.connect_timeout=1s"], tmp_path,
+                 PATH=str(tmp_path))  # fmt: skip
+    assert "site jobs slurm_local-0: state unknown: no Slurm command here" in status.stdout
+
+
+def test_the_preflight_never_loads_torch_on_the_login_node(tmp_path: Path) -> None:
+    code = (
+        "import sys\nfrom pathlib import Path\nfrom geofed_hpc.cli import compose_config\n"
+        "from geofed_hpc.commands.preflight import preflight\n"
+        "cfg, _ = compose_config(['site=osc', 'ps.address=127.0.0.1:9', 'model=llama3_1b', 'data.tokenizer=gpt2',"
+        f" 'model.init_from={tmp_path}'])\n"
+        f"found = preflight(cfg, Path({str(tmp_path)!r}), cfg.ps.address)\n"
+        "print([f.what for f in found if f.level == 'error'], 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.strip() == "['model'] False"  # init_from (here: no safetensors) checked, torch never imported

@@ -1,10 +1,12 @@
-"""How a site job turns USR2/SIGTERM into a stop: at once, or at the trainer's next safe point; then requeue."""
+"""How a site job turns USR2/SIGTERM into a stop: at once, or at the trainer's next safe point; then requeue. And
+how a local site job that fails reaches the launcher: with its cause, the other sites stopped."""
 
 from __future__ import annotations
 
 import os
 import signal
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -90,3 +92,42 @@ def test_only_rank_0_checkpoints_and_requeues(handlers: dict[str, Any]) -> None:
     assert handlers["submitit"] == [] and handlers["exit"] == []
     with pytest.raises(SystemExit):
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def refused_site() -> None:
+    """What a local site job does when the PS refuses its token (run by submitit in its own process)."""
+    from geofed_hpc.errors import AuthError
+
+    raise AuthError("Join refused by the parameter server: unknown enrollment token for site local-0")
+
+
+def slow_site() -> None:
+    import time
+
+    time.sleep(120)
+
+
+def test_a_failed_local_site_reaches_the_launcher_with_its_cause(tmp_path: Path) -> None:
+    import io
+    import time
+
+    import submitit
+
+    from geofed_hpc.config import RunConfig
+    from geofed_hpc.errors import LaunchError
+    from geofed_hpc.launch.local import follow
+
+    executor = submitit.LocalExecutor(folder=tmp_path / "submitit" / "%j")
+    executor.update_parameters(timeout_min=5)
+    jobs = [executor.submit(refused_site), executor.submit(slow_site)]
+    started = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        follow(jobs, RunConfig(run_dir=str(tmp_path)), time.time(), io.StringIO())
+    text = str(info.value)
+    assert text.startswith(f"site job {jobs[0].job_id} failed: AuthError: Join refused by the parameter server: ")
+    assert "unknown enrollment token for site local-0; full log: " in text and "\n" not in text
+    assert time.monotonic() - started < 60  # the other site was not waited for: it is stopped
+    deadline = time.monotonic() + 30
+    while not jobs[1].done() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert jobs[1].done()

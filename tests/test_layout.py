@@ -40,8 +40,8 @@ def test_launch_does_not_import_torch() -> None:
     assert out.strip() == "False"
 
 
-# The rooms each room may import (DESIGN §2); the core modules (errors, log, faults) and config sit below all.
-CORE = {"errors", "log", "faults", "config"}
+# The rooms each room may import (DESIGN §2); the core modules (errors, log, faults, paths) and config sit below all.
+CORE = {"errors", "log", "faults", "config", "paths"}
 ALLOWED = {
     "config": {"errors"},
     "codec": set(),

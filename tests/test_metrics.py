@@ -171,3 +171,34 @@ def test_online_failure_falls_back_to_offline(
     assert modes == ["online", "offline"]
     assert len(_offline_runs(tmp_path)) == 1
     assert any("No API key" in r.getMessage() for r in warnings_log.records if r.levelno == logging.WARNING)
+
+
+def test_wandb_sync_runs_the_installed_cli_on_a_real_offline_run(
+    tmp_path: Path, quiet_wandb: None, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real `wandb sync` of the installed wandb, on an offline run the recorder wrote: it takes our arguments
+    (no option it removed), gets to the login, and that is what the one line says."""
+    from geofed_hpc.errors import GeofedError
+    from geofed_hpc.metrics.wandb_sync import offline_runs, sync_offline_runs
+
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))  # no login from this machine's ~/.netrc either
+    run_dir = tmp_path / "run"
+    with Recorder(run_dir / "metrics", "osc-0", job_type="site", group="fed") as rec:
+        rec.log({"train/loss": 2.5}, step=1)
+    assert len(offline_runs(run_dir)) == 1
+    with pytest.raises(GeofedError) as info:
+        sync_offline_runs(run_dir)
+    text = str(info.value)
+    assert text.startswith("wandb sync: not logged in to W&B (") and "run `wandb login`" in text, text
+    assert "\n" not in text
+    out = capsys.readouterr().out
+    assert "removed" not in out and "No such option" not in out and "Usage:" not in out, out
+    assert "Syncing 1 run" in out and "offline-run-" in out  # wandb read the run folder it was given
+
+
+def test_wandb_sync_failures_name_the_network_or_wandbs_own_error() -> None:
+    from geofed_hpc.metrics.wandb_sync import explain
+
+    network = "wandb: Network error (ConnectionError), entering retry loop.\nError: HTTPConnectionPool: timed out"
+    assert explain(network, 1).startswith("wandb sync: the W&B server does not answer from this host (")
+    assert explain("Error: something else broke", 1) == "wandb sync failed: Error: something else broke"

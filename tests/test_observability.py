@@ -119,4 +119,10 @@ def test_wandb_sync_finds_offline_runs_and_builds_the_upload_command(tmp_path: P
     run = tmp_path / "metrics" / "wandb" / "offline-run-20261202_101010-abc"
     run.mkdir(parents=True)
     assert offline_runs(tmp_path) == [run]
-    assert sync_command([run]) == [sys.executable, "-m", "wandb", "sync", "--include-offline", str(run)]
+    assert sync_command([run]) == [
+        sys.executable,
+        "-m",
+        "wandb",
+        "sync",
+        str(run),
+    ]  # wandb 0.30 removed --include-offline

@@ -12,7 +12,7 @@ import pytest
 import zstandard
 
 from geofed_hpc import codec
-from geofed_hpc.codec import frames
+from geofed_hpc.codec import frames, sparse
 from geofed_hpc.codec.stream import _DATA, _END, piece_len
 from geofed_hpc.config import CodecConfig
 from geofed_hpc.errors import AuthError, CodecError, GeofedError, ProtocolError, StaleError
@@ -107,6 +107,29 @@ def _oversize(s: str, p: dict) -> list[m.Chunk]:
     return chunks
 
 
+SPARSE = CodecConfig(name="sparse", chunk=64, density=1 / 16)  # 4 of every 64 values
+
+
+def tampered_sparse(s: str, p: dict, part: str, at: int, value: int) -> list[m.Chunk]:
+    """A valid sparse push of `p` whose first tensor's content byte `at` of `part` (gaps: the low bytes of the
+    first chunk's gaps) is set to `value`, or whose header keeps `value` values per chunk (part "keep"). Frames
+    are rebuilt with correct checksums: only the decoder can tell."""
+    out = []
+    for frame in frames.FrameReader([codec.encode(ones(p), SPARSE)]):
+        body = bytes(frame.body)
+        if frame.kind == frames.HEADER and part == "keep":
+            head = json.loads(body[8:])
+            head["sparse"]["keep"] = value
+            body = body[:8] + json.dumps(head).encode()
+        elif frame.kind == frames.DATA and frame.index == 1 and part == "gaps":
+            content = bytearray(zstandard.ZstdDecompressor().decompress(body[_DATA.size :]))
+            lay = sparse.Layout.of(4000, 64, 4, 2)  # wte.weight: 62 chunks of 64 and a tail of 32
+            content[8 * lay.chunks + (lay.kept * 2 + 7) // 8 + at] = value
+            body = body[: _DATA.size] + zstandard.ZstdCompressor().compress(bytes(content))
+        out.append(frames.pack(frame.kind, body))
+    return chunks_for(s, b"".join(out), codec_name="sparse", push_id=f"sparse-{part}-{at}-{value}")
+
+
 # (id, build chunks from (session, params), error class in memory, gRPC status on the wire)
 CASES: list[tuple[str, Case, type[GeofedError], str]] = [
     ("wrong-shape", lambda s, p: push_chunks(s, 0, ones(p) | {"ln.bias": np.ones(9, np.float32)}), ProtocolError, BAD),
@@ -129,6 +152,9 @@ CASES: list[tuple[str, Case, type[GeofedError], str]] = [
     ("future-version", lambda s, p: push_chunks(s, 5, ones(p)), StaleError, PRE),
     ("too-stale", lambda s, p: push_chunks(s, -9, ones(p)), StaleError, PRE),
     ("unknown-session", lambda s, p: push_chunks("0" * 32, 0, ones(p)), AuthError, AUTH),
+    ("sparse-out-of-range", lambda s, p: tampered_sparse(s, p, "gaps", 3, 100), ProtocolError, BAD),
+    ("sparse-not-increasing", lambda s, p: tampered_sparse(s, p, "gaps", 1, 0), ProtocolError, BAD),
+    ("sparse-more-than-its-chunk", lambda s, p: tampered_sparse(s, p, "keep", 0, 65), ProtocolError, BAD),
 ]  # fmt: skip
 
 

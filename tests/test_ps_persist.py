@@ -23,7 +23,7 @@ from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 from tests.conftest import ps_config, small_params
 from tests.test_ps_downlink import fetch, random_delta
-from tests.test_ps_logic import init, joined, make, pull, push
+from tests.test_ps_logic import full, init, joined, make, pull, push
 
 REPO = Path(__file__).resolve().parents[1]
 INT8 = CodecConfig(name="int8", block_size=64)
@@ -262,3 +262,39 @@ def test_site_reseeds_a_ps_that_lost_everything_and_keeps_a_bit_identical_copy(t
         empty.stop()
     events = (tmp_path / "sites" / "local-0" / "events.jsonl").read_text()
     assert '"event": "reseed"' in events and '"version": 2' in events
+
+
+def test_a_ps_behind_a_sites_base_is_reseeded_from_it_and_applies_its_work_once(tmp_path: Path) -> None:
+    """Restarted from a state directory whose journal was lost (round/ removed, or an older backup), the PS is back
+    at its last snapshot, behind a site's base: that site's copy wins, and its work lands on it once."""
+    import shutil
+
+    from geofed_hpc.errors import StaleError
+
+    kw = dict(snapshot_every=10, state_dir=str(tmp_path))
+    logic = make("async", **kw)
+    (a,) = joined(logic, 1)
+    params = init(logic, a)
+    for i in range(3):
+        push(logic, a, i, full(params, 0.01), push_id=f"w{i}")
+    version, site_base = pull(logic, a)  # the site's base: the global model at version 3
+    assert version == 3
+    shutil.rmtree(tmp_path / "round")  # the journal is lost; the newest snapshot holds version 0
+    restarted = make("async", **kw)
+    assert restarted.version == 0
+    work = full(params, 0.02)
+    with pytest.raises(StaleError, match="newer than the global version 0"):
+        push(restarted, a, 3, work, push_id="work")  # from the future: the site re-seeds (client/sync.py)
+    stale = push(restarted, a, 0, small_params(5), init=True, push_id="not-fresher")
+    assert not stale.accepted and "already initialized at version 0" in stale.reason
+    other = {k: v for k, v in site_base.items() if k != "ln.bias"}
+    assert not push(restarted, a, 9, other, init=True, push_id="other-model").accepted  # not this PS's tensors
+    reseed = push(restarted, a, 3, site_base, init=True, push_id="reseed")
+    assert reseed.accepted and restarted.version == 3
+    assert all(restarted.core.model.params[k].tobytes() == site_base[k].tobytes() for k in site_base)  # type: ignore[index]
+    assert push(restarted, a, 3, work, push_id="work").accepted and restarted.version == 4
+    assert push(restarted, a, 3, work, push_id="work").duplicate and restarted.version == 4  # applied once
+    got_version, got = pull(restarted, a)
+    assert got_version == 4
+    np.testing.assert_allclose(got["blocks.0.w"], site_base["blocks.0.w"] + 0.02, rtol=0, atol=1e-6)
+    restarted.finish()

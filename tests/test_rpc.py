@@ -263,3 +263,46 @@ def test_generated_stubs_have_no_drift(tmp_path: Path) -> None:
     for name in ("geofed_pb2.py", "geofed_pb2.pyi", "geofed_pb2_grpc.py"):
         committed = (REPO / "geofed_hpc" / "rpc" / name).read_text()
         assert (out / "geofed_hpc" / "rpc" / name).read_text() == committed, f"{name} drifted: run `make proto`"
+
+
+def test_connect_gives_up_within_its_timeout(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with PSClient(ps_config(), f"127.0.0.1:{port}") as client:
+        started = time.monotonic()
+        with pytest.raises(UnavailableError, match=f"cannot reach the parameter server at 127.0.0.1:{port} after 1s"):
+            client.connect(timedelta(seconds=1))
+        assert time.monotonic() - started < 1.5  # the first wait alone used to be 2 s
+
+
+def test_a_crash_in_a_handler_is_logged_with_its_stack_and_answers_internal(
+    warnings_log: pytest.LogCaptureFixture,
+) -> None:
+    """INTERNAL means a crash, from any exception that is not a refusal of the request, ours included."""
+    from geofed_hpc.errors import CheckpointError
+
+    class Crashing:
+        def __init__(self, exc: Exception) -> None:
+            self.exc = exc
+
+        def status(self, request: m.StatusRequest) -> m.StatusReply:
+            raise self.exc
+
+        join = stream_model = push_delta = heartbeat = split = fetch_aux = status
+
+    for exc in (RuntimeError("boom"), CheckpointError("snapshot unreadable")):
+        warnings_log.clear()
+        running = start_server(Crashing(exc), ps_config())  # type: ignore[arg-type]
+        try:
+            with PSClient(ps_config(), f"127.0.0.1:{running.port}") as client:
+                with pytest.raises(GeofedError, match="Status refused by the parameter server") as info:
+                    client.status()
+        finally:
+            running.drain(timedelta(seconds=1))
+        assert type(info.value) is GeofedError  # INTERNAL: no member of the family claims it
+        logged = {
+            id(r): r for r in warnings_log.records if r.levelname == "ERROR" and "Status failed" in r.getMessage()
+        }
+        records = list(logged.values())  # (a record may reach the capture twice: directly and by propagation)
+        assert len(records) == 1 and records[0].exc_info is not None and records[0].exc_info[1] is exc

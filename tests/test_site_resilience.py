@@ -470,3 +470,49 @@ def test_a_site_restarted_while_the_ps_is_down_trains_from_its_checkpoint(tmp_pa
     assert [r["sync/version"] for r in syncs] == [1, 2] and final == 2 and pushes["local-0"] == 2
     _, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
     assert meta["sampler"]["draws"] == sum(r["sync/local_steps"] for r in syncs)
+
+
+@pytest.mark.slow
+def test_a_ps_back_behind_the_sites_base_is_reseeded_by_it_and_gets_its_work_once(tmp_path: Path, shards: Path) -> None:
+    """ps=cloud's case, with the journal lost: a real `ps up` (async, a snapshot every 10 versions) is SIGKILLed as the
+    site pulls version 3 and comes back from its state directory without round/ (an older backup): at version 0,
+    behind the site. The running site's work is refused as from the future; it re-seeds the PS with its own copy
+    and the work goes in once. Killed again after the site finished, the PS comes back behind the site's checkpoint:
+    the restarted site re-seeds it as it starts. The versions never go back, no step is lost or applied twice, and
+    the site's log has a line per sync and per checkpoint."""
+    import shutil
+
+    port = free_port()
+    address, state = f"127.0.0.1:{port}", tmp_path / "state"
+    site_dir = tmp_path / "run" / "sites" / "local-0"
+    ps_args = ("train.max_local_steps=3", "ps.snapshot_every=10")
+    site = again = None
+    try:
+        with ps_process(state, port, "ps.stream[3]@1=kill", "async", *ps_args) as proc:
+            site = Site(site_cfg(tmp_path, shards, port, max_syncs=5), tmp_path, address)
+            assert proc.wait(timeout=240) == -9  # killed as the pull of version 3 arrived
+        wait_for(lambda: any(e["event"] == "pull_failed" for e in events(site_dir)), 120, "the failed pull")
+        shutil.rmtree(state / "round")
+        with ps_process(state, port, "", "async", *ps_args):
+            assert site.wait(timeout=300) == [0], site.output()
+        shutil.rmtree(state / "round")  # killed on leaving the block: back at its last snapshot again
+        with ps_process(state, port, "", "async", *ps_args), PSClient(ps_config(), address) as client:
+            assert client.status().version < 5
+            again = Site(site_cfg(tmp_path, shards, port, max_syncs=6), tmp_path, address)
+            assert again.wait(timeout=300) == [0], again.output()
+            status = client.status()
+        log = site.logs[0].read_text()
+    finally:
+        for s in (site, again):
+            if s is not None:
+                s.close()
+    reseeds = [e for e in events(site_dir) if e["event"] == "reseed"]
+    assert [(e["ps_version"], e["version"]) for e in reseeds] == [(0, 3), (3, 5)]
+    syncs = [r for r in site_metrics(tmp_path) if "train/loss" in r]
+    assert [r["sync/version"] for r in syncs] == [1, 2, 3, 4, 5, 6] and status.version == 6
+    assert {s.site: s.pushes for s in status.sites}["local-0"] == 1  # since the last re-seed: one push, once
+    _, meta, _ = CheckpointStore(site_dir / "ckpt", prefix="site").load_latest() or ({}, {}, None)
+    assert meta["version"] == 6 and meta["sampler"]["draws"] == sum(r["sync/local_steps"] for r in syncs)
+    for n in range(1, 7):
+        assert f"local-0: sync {n}: version {n}, " in log
+    assert log.count("local-0: checkpoint ") >= 6

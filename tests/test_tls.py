@@ -164,3 +164,36 @@ def test_tls_settings_are_checked_and_name_the_field(tmp_path: Path) -> None:
         PSConfig(tls_names=["bad name"])
     with pytest.raises(ConfigError, match=r"ps.ca_file: file .*missing.crt does not exist"):
         PSClient(tls_client(tmp_path / "missing.crt"), "127.0.0.1:1")
+
+
+def test_ps_up_with_a_key_that_is_not_its_certificates_names_both_files(pki: dict[str, Path], tmp_path: Path) -> None:
+    ours, theirs = pki["ours"], pki["theirs"]
+    cfg = ps_config(insecure=False, cert_file=str(ours / "server.crt"), key_file=str(theirs / "server.key"))
+    with pytest.raises(ConfigError) as info:
+        ParameterServer(replace(RunConfig(), ps=cfg))
+    text = str(info.value)
+    assert text.startswith(f"ps.key_file: {theirs / 'server.key'} is not the private key of ps.cert_file")
+    assert str(ours / "server.crt") in text and "in use" not in text
+    (tmp_path / "junk.crt").write_text("not a certificate")
+    junk = ps_config(insecure=False, cert_file=str(tmp_path / "junk.crt"), key_file=str(ours / "server.key"))
+    with pytest.raises(ConfigError, match=r"ps.cert_file: .*junk.crt is not a PEM certificate"):
+        ParameterServer(replace(RunConfig(), ps=junk))
+
+
+def test_tls_mistakes_on_the_command_line_are_one_line_without_grpcs_own(pki: dict[str, Path]) -> None:
+    import subprocess
+    import sys
+
+    def status(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "geofed_hpc.cli", "status", f"ps.address={ps.address}", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+    with tls_ps(pki["ours"]) as ps:
+        plaintext = status()
+        wrong_ca = status("ps.insecure=false", f"ps.ca_file={pki['theirs'] / 'ca.crt'}")
+        right = status("ps.insecure=false", f"ps.ca_file={pki['ours'] / 'ca.crt'}")
+    assert plaintext.returncode == 2 and plaintext.stderr.count("\n") == 1, plaintext.stderr
+    assert f"{ps.address} speaks TLS but this client is plaintext (ps.insecure=true)" in plaintext.stderr
+    assert wrong_ca.returncode == 2 and wrong_ca.stderr.count("\n") == 1, wrong_ca.stderr
+    assert "does not verify against ps.ca_file" in wrong_ca.stderr
+    assert right.returncode == 0 and "initialized False" in right.stdout, right.stderr

@@ -22,7 +22,8 @@ from geofed_hpc.client.progress import Progress
 from geofed_hpc.client.replica import Replica
 from geofed_hpc.client.sharded import ShardIndex, new_stamp, shard_meta, stamp_of
 from geofed_hpc.client.uplink import Uplink
-from geofed_hpc.config import RunConfig, to_dict
+from geofed_hpc.config import RunConfig
+from geofed_hpc.config.run import model_shape, shape_difference
 from geofed_hpc.data import BatchSampler
 from geofed_hpc.data.squad import QASampler
 from geofed_hpc.errors import CheckpointError
@@ -32,13 +33,6 @@ from geofed_hpc.paradigms.site import SiteParadigm
 from geofed_hpc.rpc import messages as m
 
 PUSH_RECORD = "push.json"  # the last push that went out, beside the checkpoints
-
-
-def model_shape(cfg: RunConfig) -> dict[str, Any]:
-    """The model config a checkpoint must match (its name and initial weights do not matter), and the paradigm
-    (which adds its adapters to the model)."""
-    shape = {k: v for k, v in to_dict(cfg.model).items() if k not in ("name", "init_from", "tokenizer")}
-    return {**shape, "paradigm": cfg.paradigm.describe()}
 
 
 @dataclass
@@ -160,6 +154,8 @@ class SiteCheckpoints:
             self.index.settle(path.name, shards["dir"])
         if meta["global_model"] and p.evaluation.version == p.replica.version:  # val_loss is this model's
             self.offer_best(path, p.evaluation.val_loss, syncs, shards=shards)
+        what = f", {pending['steps']:g} unpushed steps" if pending else ", after a push" if pushed else ""
+        logger.info("%s: checkpoint %s (version %d, %d syncs%s)", p.replica.name, path, p.replica.version, syncs, what)
         return path
 
     def offer_best(
@@ -256,14 +252,11 @@ class SiteCheckpoints:
             raise CheckpointError(f"cannot read the shards {shards['dir']} of checkpoint {path}: {exc}") from exc
 
     def _check_model(self, meta: dict[str, Any], path: Path) -> None:
-        ours = model_shape(self.cfg)
-        # older checkpoints: pretraining, and the defaults of fields added since
-        theirs = {"paradigm": "identity", **model_shape(RunConfig()), **meta.get("model", ours)}
-        if theirs == ours:
+        diff = shape_difference(self.cfg, meta.get("model"))
+        if diff is None:
             return
-        diff = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
-        key = diff[0] if diff[0] == "paradigm" else f"model.{diff[0]}"
+        key, theirs, ours = diff
         raise CheckpointError(
-            f"checkpoint {path} is of another model ({key}={theirs.get(diff[0])!r}, this run has "
-            f"{ours.get(diff[0])!r}): use its config, or move {self.store.directory} away to start afresh"
+            f"checkpoint {path} is of another model ({key}={theirs!r}, this run has {ours!r}): use its config, or "
+            f"move {self.store.directory} away to start afresh"
         )

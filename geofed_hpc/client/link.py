@@ -116,11 +116,21 @@ class PSLink:
         self.events("rejoin", version=version, error=str(why)[:300])
         self.join(self.session_id)
 
-    def seed(self, arrays: Params, version: int) -> bool:
+    def seed(self, arrays: Params, version: int, behind: int | None = None) -> bool:
         """The PS holds no model: upload `arrays` (bootstrap at version 0), or re-seed it with our base at
-        `version` (the global model we last pulled) so that our work since then still applies. False: another
+        `version` (the global model we last pulled) so that our work since then still applies; also when the PS
+        holds an older version (`behind`: it came back from an older snapshot without its journal). False: another
         site was first."""
-        if version > 0:
+        if behind is not None:
+            logger.warning(
+                "%s: the PS is at version %d, behind our base v%d (it restarted from an older snapshot): re-seeding "
+                "it from ours",
+                self.name,
+                behind,
+                version,
+            )
+            self.events("reseed", version=version, ps_version=behind)
+        elif version > 0:
             logger.warning("%s: the PS has no model; re-seeding it from ours (v%d)", self.name, version)
             self.events("reseed", version=version)
         init = codec.encode(arrays, CodecConfig(name="fp32"))
@@ -156,6 +166,14 @@ class PSLink:
             self.events("sync_now", steps=steps, version=version, global_version=reply.version)
             return True
         return False
+
+    def ps_version(self, version: int) -> int | None:
+        """The PS's global version now (one heartbeat), None when it does not answer."""
+        try:
+            return self.connected().heartbeat(m.HeartbeatRequest(self.session_id, version)).version
+        except GeofedError as exc:
+            logger.debug("%s: heartbeat failed: %s", self.name, exc)
+            return None
 
     def report(self, version: int, val_loss: float, what: str) -> float | None:
         """One heartbeat telling the PS the validation loss of the global model at `version` (0: none); its

@@ -37,6 +37,15 @@ def apply_updates(base: Params, header: m.ModelHeader, payload: bytes, exchange:
     return base
 
 
+class PSBehind(Exception):  # noqa: N818 - a finding the site acts on, not an error for the user
+    """A pull found the PS at an older version than our base (it came back from an older snapshot without its
+    journal): nothing was loaded; the site re-seeds it (the freshest copy wins)."""
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"the parameter server is back at version {version}")
+        self.version = version
+
+
 class Replica:
     """`base`: the global model at `version` that local work is measured against (delta = local - base).
     `exact` says whether it is the PS's model bit for bit (False after a lost pull: then it is the model the site
@@ -47,7 +56,7 @@ class Replica:
         self, name: str, group: SiteGroup, exchange: Exchange, private: list[str], events: EventLog | None = None
     ) -> None:
         self.name, self.group, self.exchange, self.private = name, group, exchange, private
-        self.events = events
+        self.events = events  # a `pulled` event per pull (the version, how it came, the model's digest)
         self.base: Params = {}
         self.version = 0
         self.exact = True
@@ -80,10 +89,14 @@ class Replica:
             arrays = codec.decode(payload)
             if have is not None and header.version < have:
                 logger.warning("%s: the PS is back at version %d (we held %d)", self.name, header.version, have)
+                raise PSBehind(header.version)
             if not self._matches(header, arrays):  # the PS's own model, sent whole: never expected to differ
                 logger.error("%s: the model of version %d does not match its digest", self.name, header.version)
         self.group.load_model(self.with_private(arrays))
         self.base, self.version, self.exact = arrays, header.version, True
+        if self.events is not None:
+            digest = header.model_digest or codec.model_digest(arrays)  # checked equal above when the PS sent one
+            self.events("pulled", version=header.version, kind=header.kind, bytes=len(payload), digest=digest.hex())
 
     def _matches(self, header: m.ModelHeader, arrays: Params) -> bool:
         """Whether `arrays` are the PS's model of header.version, bit for bit (a PS that sends no digest: yes).

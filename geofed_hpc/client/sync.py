@@ -11,7 +11,7 @@ from geofed_hpc.client.checkpoints import Restored
 from geofed_hpc.client.group import SiteGroup
 from geofed_hpc.client.link import PSLink
 from geofed_hpc.client.progress import Interval, Progress
-from geofed_hpc.client.replica import Replica
+from geofed_hpc.client.replica import PSBehind, Replica
 from geofed_hpc.client.split import SplitLink
 from geofed_hpc.client.telemetry import RttMeter, SyncTimer, gpu_metrics, rss_gb
 from geofed_hpc.client.uplink import Uplink, Work
@@ -87,8 +87,19 @@ class SiteSync:
         work = Work(self.link.session_id, self.replica.version, steps, self.tokens_per_step(), loss)
         return self.uplink.push(self.link.connected(), work, self._local_update, self.link.settings, self.timer)
 
-    def pull(self, min_version: int, wait: timedelta) -> None:
-        self.replica.pull(self.link.connected(), self.link.session_id, min_version, wait, self.timer)
+    def pull(self, min_version: int, wait: timedelta, pushed: int | None = None) -> None:
+        """Take the global model. A PS found behind our base came back without its journal: the freshest copy wins
+        and re-seeds it, our base, or with `pushed` (the version our push made, lost with that journal) the local
+        model, which holds the pushed work."""
+        client, session = self.link.connected(), self.link.session_id
+        try:
+            self.replica.pull(client, session, min_version, wait, self.timer)
+        except PSBehind as behind:
+            if pushed is not None:
+                self.replica.adopt_local(pushed)
+            if not self.reseed_if_behind(behind.version):  # another site's copy won: take it whole
+                self.replica.base = {}
+                self.replica.pull(client, session, 0, timedelta(0), self.timer)
         self.uplink.new_base()  # work since this base is new work
         if self.split is not None:
             self.split.after_pull(self.replica.version)  # fsl_sage: the fitted auxiliary model, when aligned
@@ -119,24 +130,46 @@ class SiteSync:
 
     def _push_or_rejoin(self, steps: int, loss: float) -> tuple[int, int]:
         """A PS that answers but no longer knows our session (it restarted without its state) is joined again, and
-        re-seeded with our base when it holds no model; then the work goes out."""
-        try:
-            return self.push(steps, loss)
-        except AuthError as exc:
-            self.rejoin(exc)
-        return self.push(steps, loss)
+        re-seeded with our base when it holds no model or an older one; a PS that refuses our work as from the future
+        (it came back from an older snapshot without its journal) is re-seeded with our base. Then the work goes
+        out, once."""
+        for attempt in range(3):
+            try:
+                return self.push(steps, loss)
+            except AuthError as exc:
+                if attempt == 2:
+                    raise
+                self.rejoin(exc)
+            except StaleError:
+                if attempt == 2 or not self.reseed_if_behind(self.link.ps_version(self.replica.version)):
+                    raise
+        raise AssertionError("unreachable")
 
     def rejoin(self, why: Exception) -> None:
-        """Join again; re-seed a PS that holds no model with our base, so the federation goes on from our version."""
+        """Join again; re-seed a PS that holds no model, or an older one, with our base, so the federation goes on
+        from our version."""
         self.link.rejoin(why, self.replica.version)
-        if not self.link.session.initialized and self.link.seed(self.replica.seed_arrays(), self.replica.version):
-            self.replica.exact = True  # the PS's model is now our base, bit for bit
+        if not self.link.session.initialized:
+            if self.link.seed(self.replica.seed_arrays(), self.replica.version):
+                self.replica.exact = True  # the PS's model is now our base, bit for bit
+        else:
+            self.reseed_if_behind(self.link.session.version)
+
+    def reseed_if_behind(self, ps_version: int | None) -> bool:
+        """The freshest copy wins: when the PS's version is older than our base, our base becomes the global model
+        (its version ours), so that our work since then applies on top of it. Whether it did."""
+        if ps_version is None or ps_version >= self.replica.version or not self.replica.base:
+            return False
+        if not self.link.seed(self.replica.seed_arrays(), self.replica.version, behind=ps_version):
+            return False
+        self.replica.exact = True
+        return True
 
     def _pull_after_push(self, wait: timedelta) -> None:
         """Pull the version after our push. If the PS became unreachable since the push went in, train on from
         the local model: it becomes the base at the version pushed to (the next pull is a full one)."""
         try:
-            self.pull(self.replica.version + 1, wait)
+            self.pull(self.replica.version + 1, wait, pushed=self.uplink.push_version)
         except (UnavailableError, AuthError) as exc:
             logger.warning("%s: %s; our delta is in, training on from the local model", self.name, exc)
             self.link.events("pull_failed", version=self.uplink.push_version, error=str(exc)[:300])
@@ -211,7 +244,7 @@ class SiteSync:
         self.safe.busy()
         try:
             loss = float(pending["loss_sum"]) / steps
-            sent, _ = self.push(steps, loss)
+            sent, _ = self._push_or_rejoin(steps, loss)
             self.safe.pushed()
             progress.syncs += 1
             if self.rec is not None:

@@ -242,6 +242,9 @@ class SiteTrainer:
         session = link.start(meta)
         if not session.initialized:
             link.seed(self.sync.replica.seed_arrays(), restored.version if restored else 0)
+        elif restored is not None and session.version < restored.version and self.sync.replica.base:
+            self.sync.replica.version = restored.version  # the PS is behind our checkpoint's base: the freshest wins
+            self.sync.reseed_if_behind(session.version)
         if self._pushed_after(restored):
             resume = "global"
         else:
@@ -331,8 +334,30 @@ class SiteTrainer:
                 "sync/offline_seconds": synced.offline_s,
             }
         )
+        self._log_sync(steps, train_loss, val_loss, synced.sent, train_s, sync_s)
         self.ckpt.save()
         self.checkpointed()
+
+    def _log_sync(self, steps: int, loss: float, val_loss: float, sent: int, train_s: float, sync_s: float) -> None:
+        """One line of the job's log per sync: version, losses, tokens, bytes sent and seconds."""
+        tokens = steps * self.sync.tokens_per_step()
+        val = f", val loss {val_loss:.4f}" if math.isfinite(val_loss) else ""
+        logger.info(
+            "%s: sync %d: version %d, %d steps, train loss %.4f%s, %d tokens (%.0f tokens/s, %d in all), "
+            "sent %.2f MiB, %.1fs (%.1fs training)",
+            self.name,
+            self.progress.syncs,
+            self.sync.version,
+            steps,
+            loss,
+            val,
+            tokens,
+            tokens / max(train_s, 1e-9),
+            self.progress.tokens_seen,
+            sent / 2**20,
+            sync_s,
+            train_s,
+        )
 
 
 def _exit_for(signum: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from geofed_hpc.client.deferred import Deferred
 from geofed_hpc.client.events import EventLog
 from geofed_hpc.client.progress import Progress
 from geofed_hpc.client.telemetry import SyncTimer
-from geofed_hpc.config import CodecConfig, RunConfig
+from geofed_hpc.config import RunConfig
 from geofed_hpc.errors import UnavailableError
 from geofed_hpc.log import logger
 from geofed_hpc.paradigms.exchange import Params
@@ -103,8 +104,7 @@ class Uplink:
         name = settings.codec
         if name == "adaptive":
             name = self.link.choose(raw // 4, settings.sync_interval_s)
-        c = self.cfg.codec
-        cfg = CodecConfig(name, settings.block_size, c.zstd_level, stochastic_rounding=c.stochastic_rounding)
+        cfg = dataclasses.replace(self.cfg.codec, name=name, block_size=settings.block_size)
         t_enc = time.monotonic()
         if self.error_feedback:
             payload, residual = self.feedback.encode(d, cfg)

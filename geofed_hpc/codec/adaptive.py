@@ -10,7 +10,10 @@ from geofed_hpc.log import logger
 
 # Bits per parameter assumed for a codec until this site has pushed with it (the symbol width: an upper
 # bound, since zstd only shrinks symbols); measured sizes replace them.
-PRIOR_BITS = {"fp32": 32.0, "bf16": 16.0, "int16": 16.0, "int8": 8.0, "int4": 4.0, "paper_int8": 8.0}
+PRIOR_BITS = {
+    **{"fp32": 32.0, "bf16": 16.0, "int16": 16.0, "int8": 8.0, "int4": 4.0, "int2": 2.0, "paper_int8": 8.0},
+    "sparse": 1.0,  # 2-bit values and 16-bit gaps at density 1/16 (a bound for the default 1/64)
+}
 HEADROOM = 0.8  # moving to a more accurate codec needs its predicted time under this share of the budget
 
 

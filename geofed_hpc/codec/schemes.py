@@ -3,8 +3,10 @@
 # Content layouts (n values, nb blocks; all little-endian; planes are one byte of every symbol in turn):
 #   fp32        4 planes of the float32 bytes                          (lossless; zstd)
 #   bf16        2 planes of bfloat16 (high byte first)                 (zstd)
-#   int16/8/4   mins f32[nb] | scales f32[nb] | modes u8[nb] | symbols (int16: 2 planes; int4: 2 per byte) (zstd)
+#   int16/8/4/2 mins f32[nb] | scales f32[nb] | modes u8[nb] | symbols (int16: 2 planes; int4: 2 per byte;
+#               int2: 4 per byte, lowest bits first)                   (zstd)
 #   paper_int8  huffman segments + bitstream of global min-max uint8 symbols (no zstd)
+#   sparse      per chunk (block_size) the top-k values, quantized, and their positions (sparse.py)   (zstd)
 
 from __future__ import annotations
 
@@ -12,11 +14,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from geofed_hpc.codec import huffman, predict
+from geofed_hpc.codec import huffman, predict, sparse
 from geofed_hpc.codec.quant import SCRATCH, block_minmax, block_scales, dequantize, num_blocks, quantize
 from geofed_hpc.errors import CodecError
 
-LEVELS = {"int16": 65535, "int8": 255, "int4": 15}
+LEVELS = {"int16": 65535, "int8": 255, "int4": 15, "int2": 3}
 MINMAX = tuple(LEVELS)
 _BF16_MAX = 0x7F7F  # largest finite bfloat16 magnitude
 
@@ -33,10 +35,18 @@ class Plan:
     paper_min: float = 0.0
     paper_scale: float = 0.0
     lengths: np.ndarray | None = None
+    keep: int = 0  # sparse: values kept per chunk of block_size
+    value_bits: int = 0  # sparse: bits per kept value
+
+    def layout(self, n: int) -> sparse.Layout:
+        """sparse: the chunks of a piece of n values."""
+        return sparse.Layout.of(n, self.block_size, self.keep, self.value_bits)
 
 
 def content_size(plan: Plan, n: int) -> int:
     """Bytes of a piece's content before entropy coding (zstd codecs only)."""
+    if plan.codec == "sparse":
+        return plan.layout(n).size()
     nb = num_blocks(n, plan.block_size)
     return {
         "fp32": 4 * n,
@@ -44,6 +54,7 @@ def content_size(plan: Plan, n: int) -> int:
         "int16": 9 * nb + 2 * n,
         "int8": 9 * nb + n,
         "int4": 9 * nb + (n + 1) // 2,
+        "int2": 9 * nb + (n + 3) // 4,
     }[plan.codec]
 
 
@@ -112,6 +123,8 @@ def encode(
                 q, np.array([plan.paper_min], np.float32), np.array([plan.paper_scale], np.float32), x.size, recon
             )
         return [np.frombuffer(huffman.encode(q, plan.lengths), np.uint8)]
+    if plan.codec == "sparse":
+        return sparse.encode(x, plan.layout(x.size), recon)
     levels = LEVELS[plan.codec]
     mins, maxs = bounds if bounds is not None else block_minmax(x, plan.block_size)
     scales = block_scales(mins, maxs, levels, plan.global_range)
@@ -128,6 +141,12 @@ def encode(
         packed = np.zeros((q.size + 1) // 2, np.uint8)
         packed[:] = q[0::2]
         packed[: q.size // 2] |= q[1::2] << 4
+        return [*head, packed]
+    if plan.codec == "int2":
+        packed = np.zeros((q.size + 3) // 4, np.uint8)
+        for i in range(4):
+            part = q[i::4]
+            packed[: part.size] |= part << (2 * i)
         return [*head, packed]
     return [*head, q]
 
@@ -153,6 +172,11 @@ def decode(content: np.ndarray, plan: Plan, out: np.ndarray, what: str, start: i
         _from_bf16(_unplane(content, np.empty(n, "<u2"), (1, 0)), out)
         _check_finite(out, what, start)
         return
+    if plan.codec == "sparse":
+        idx, vals = sparse.decode(content, plan.layout(n), what)
+        out[...] = 0
+        out[idx] = vals
+        return
     nb = num_blocks(n, plan.block_size)
     mins = content[: 4 * nb].view("<f4")
     scales = content[4 * nb : 8 * nb].view("<f4")
@@ -169,6 +193,10 @@ def decode(content: np.ndarray, plan: Plan, out: np.ndarray, what: str, start: i
         q = np.empty(n, np.uint8)
         q[0::2] = body & 0x0F
         q[1::2] = body[: n // 2] >> 4
+    elif plan.codec == "int2":
+        q = np.empty(n, np.uint8)
+        for i in range(4):
+            q[i::4] = (body[: -(-(n - i) // 4)] >> (2 * i)) & 3
     else:
         q = body
     if modes.any():

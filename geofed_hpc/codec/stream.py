@@ -1,7 +1,8 @@
 """The delta stream: a header frame, each tensor's pieces in ~1 MiB data frames, an end frame; bounded memory."""
 
 # Header body: stream id (8 bytes) | JSON {"codec", "block_size", "piece", "tensors": [{"name", "shape"}],
-#   "huffman": {"min", "scale", "lengths"} (paper_int8 only)}.
+#   "huffman": {"min", "scale", "lengths"} (paper_int8 only), "sparse": {"keep", "bits"} (sparse only: values
+#   kept per chunk of block_size values, bits per kept value)}.
 # Data body: stream id | tensor u32 | piece u32 | part u32 | last u8 | bytes of the piece's blob, where the
 #   blob is the zstd frame of the piece's content (schemes.py), or for paper_int8 the huffman blob itself.
 # End body: stream id | frames before it u64 | values u64.
@@ -21,10 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from geofed_hpc.codec import frames, huffman, schemes
+from geofed_hpc.codec import frames, huffman, schemes, sparse
 from geofed_hpc.codec.frames import DATA, END, HEADER, FrameReader
 from geofed_hpc.codec.inputs import Tensor, pieces, tensors_of
 from geofed_hpc.codec.quant import block_minmax, block_scales, num_blocks
+from geofed_hpc.codec.sparse import SparseTensor
 from geofed_hpc.codec.zstdio import Inflater, compress_parts, compressor
 from geofed_hpc.config import WIRE_CODECS, CodecConfig
 from geofed_hpc.errors import CodecError
@@ -75,10 +77,18 @@ def _scan(ts: list[Tensor], step: int, block_size: int) -> tuple[float, float, B
     return (lo, hi, bounds) if lo <= hi else (0.0, 0.0, bounds)
 
 
+def block_of(cfg: CodecConfig) -> int:
+    """The stream's block: codec.chunk for sparse, codec.block_size for the others."""
+    return cfg.chunk if cfg.name == "sparse" else cfg.block_size
+
+
 def _plan(ts: list[Tensor], cfg: CodecConfig, step: int) -> tuple[schemes.Plan, dict[str, Any], Bounds]:
     """The payload-wide plan (a first pass over the values where the codec needs one) and its header fields."""
     rng = np.random.default_rng() if cfg.stochastic_rounding else None
-    plan = schemes.Plan(cfg.name, cfg.block_size, rng=rng)
+    plan = schemes.Plan(cfg.name, block_of(cfg), rng=rng)
+    if cfg.name == "sparse":
+        plan.keep, plan.value_bits = sparse.keep_of(cfg.chunk, cfg.density), cfg.value_bits
+        return plan, {"sparse": {"keep": plan.keep, "bits": plan.value_bits}}, {}
     if cfg.name not in schemes.MINMAX and cfg.name != "paper_int8":
         return plan, {}, {}
     lo, hi, bounds = _scan(ts, step, cfg.block_size if cfg.name in schemes.MINMAX else step)
@@ -111,13 +121,13 @@ def _frame_parts(
     if cfg.name not in WIRE_CODECS:
         raise CodecError(f"codec.name: {cfg.name!r} is not a wire codec; encode with one of {', '.join(WIRE_CODECS)}")
     ts = tensors_of(tensors)
-    step = piece_len(cfg.block_size)
+    step = piece_len(block_of(cfg))
     plan, extra, bounds = _plan(ts, cfg, step)
     cctx = compressor(cfg.zstd_level)
     sid = os.urandom(8)
     header = {
         "codec": cfg.name,
-        "block_size": cfg.block_size,
+        "block_size": block_of(cfg),
         "piece": step,
         "tensors": [{"name": t.name, "shape": list(t.shape)} for t in ts],
         **extra,
@@ -130,7 +140,7 @@ def _frame_parts(
             res = residual[t.name] = np.empty(t.shape, np.float32)
         plan.row = t.row
         for pi, (start, x) in enumerate(pieces(t, step)):
-            if cfg.name in ("fp32", "bf16") and not (np.isfinite(x.min()) and np.isfinite(x.max())):
+            if cfg.name in ("fp32", "bf16", "sparse") and not (np.isfinite(x.min()) and np.isfinite(x.max())):
                 t.refuse(x, start)
             recon = np.empty(x.size, np.float32) if res is not None else None
             content = schemes.encode(x, plan, recon, bounds.pop((ti, pi), None))
@@ -201,12 +211,14 @@ class Header:
 
 @dataclass(frozen=True)
 class Piece:
-    """Decoded values [start, start + len(values)) of tensor `name`."""
+    """Decoded values [start, start + len(values)) of tensor `name`; or, from a sparse decoder, the piece's kept
+    `values` at flat tensor `indices`."""
 
     name: str
     shape: tuple[int, ...]
     start: int
     values: np.ndarray
+    indices: np.ndarray | None = None
 
 
 def _is_int(value: object, low: int, high: int) -> bool:
@@ -222,7 +234,8 @@ def _parse_header(body: memoryview) -> tuple[bytes, Header]:
     if not isinstance(raw, dict):
         raise CodecError(f"header: expected a JSON object, got {type(raw).__name__}")
     codec = raw.get("codec")
-    keys = {"codec", "block_size", "piece", "tensors"} | ({"huffman"} if codec == "paper_int8" else set())
+    extra = {"paper_int8": {"huffman"}, "sparse": {"sparse"}}.get(codec, set()) if isinstance(codec, str) else set()
+    keys = {"codec", "block_size", "piece", "tensors"} | extra
     if set(raw) != keys:
         raise CodecError(f"header: expected keys {', '.join(sorted(keys))}; got {', '.join(sorted(raw))}")
     if codec not in WIRE_CODECS:
@@ -250,7 +263,22 @@ def _parse_header(body: memoryview) -> tuple[bytes, Header]:
             raise CodecError("header: huffman.min and huffman.scale must be finite numbers (scale >= 0)")
         plan.paper_min, plan.paper_scale = float(h["min"]), float(h["scale"])
         plan.lengths = huffman.check_lengths(h["lengths"])
+    if codec == "sparse":
+        plan.keep, plan.value_bits = _parse_sparse(raw["sparse"], block_size)
     return sid, Header(codec, block_size, piece, names, shapes, plan)
+
+
+def _parse_sparse(raw: object, chunk: int) -> tuple[int, int]:
+    if not (isinstance(raw, dict) and set(raw) == {"keep", "bits"}):
+        raise CodecError("header: sparse must be an object with keys bits, keep")
+    keep, bits = raw["keep"], raw["bits"]
+    if chunk > sparse.MAX_CHUNK:
+        raise CodecError(f"header: a sparse chunk (block_size) is at most {sparse.MAX_CHUNK} values, got {chunk}")
+    if not _is_int(keep, 1, chunk):
+        raise CodecError(f"header: sparse.keep must be 1..{chunk} (the chunk's values), got {keep!r:.100}")
+    if not _is_int(bits, 1, 4):
+        raise CodecError(f"header: sparse.bits must be 1..4, got {bits!r:.100}")
+    return keep, bits
 
 
 def _parse_entry(raw: object, index: int) -> tuple[str, tuple[int, ...]]:
@@ -285,11 +313,41 @@ def _check_expected(h: Header, expected: Expected) -> None:
 Target = Callable[[str, tuple[int, ...], int, int], np.ndarray]
 
 
-class StreamDecoder:
-    """Decodes a stream from byte chunks of any size, piece by piece; `header` is set once it is read."""
+class Scratch:
+    """Buffers one decoder reuses from payload to payload: the decoded tensors and a piece's content. Writing to
+    fresh pages costs more than decoding into them, and concurrent threads faulting pages in contend in the kernel;
+    reused buffers avoid both. A tensor decoded into a Scratch is valid until its next payload."""
 
-    def __init__(self, expected: Expected | None = None) -> None:
+    def __init__(self) -> None:
+        self._arrays: dict[str, np.ndarray] = {}
+        self._content = np.empty(0, np.uint8)
+
+    def array(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        a = self._arrays.get(name)
+        if a is None or a.shape != shape:
+            a = self._arrays[name] = _alloc(shape, f"tensor {name!r}")
+        return a
+
+    def content(self, size: int) -> np.ndarray:
+        if self._content.size < size:
+            self._content = np.empty(size, np.uint8)
+        return self._content[:size]
+
+    def keep_only(self, names: Iterable[str]) -> None:
+        """Drop the buffers of tensors the last payload did not hold."""
+        keep = set(names)
+        self._arrays = {k: v for k, v in self._arrays.items() if k in keep}
+
+
+class StreamDecoder:
+    """Decodes a stream from byte chunks of any size, piece by piece; `header` is set once it is read. With
+    `sparse`, pieces of a sparse payload come as kept indices and values (never densified); with `scratch`, piece
+    contents are decoded in its reused buffer."""
+
+    def __init__(self, expected: Expected | None = None, sparse: bool = False, scratch: Scratch | None = None) -> None:
         self.expected = expected
+        self.sparse = sparse
+        self.scratch = scratch
         self.header: Header | None = None
 
     def pieces(self, chunks: Iterable[object], target: Target | None = None) -> Iterator[Piece]:
@@ -310,9 +368,14 @@ class StreamDecoder:
             h.plan.row = shape[-1] if len(shape) >= 2 else 0
             for pi, start in enumerate(range(0, numel, h.piece)):
                 n = min(h.piece, numel - start)
-                out = target(name, shape, start, n) if target else np.empty(n, np.float32)
-                self._piece(reader, sid, h, ti, pi, start, out)
                 total += n
+                if self.sparse and h.codec == "sparse":
+                    idx, vals = self._piece(reader, sid, h, ti, pi, start, n, None)
+                    idx += start
+                    yield Piece(name, shape, start, vals, idx)
+                    continue
+                out = target(name, shape, start, n) if target else np.empty(n, np.float32)
+                self._piece(reader, sid, h, ti, pi, start, n, out)
                 yield Piece(name, shape, start, out)
                 del out  # the caller holds it if it wants it
         end = reader.next()
@@ -325,17 +388,20 @@ class StreamDecoder:
         if reader.next() is not None:
             raise CodecError(f"payload: trailing frame after the end frame at byte {reader.offset}")
 
-    def _piece(self, reader: FrameReader, sid: bytes, h: Header, ti: int, pi: int, start: int, out: np.ndarray) -> None:
+    def _piece(
+        self, reader: FrameReader, sid: bytes, h: Header, ti: int, pi: int, start: int, n: int, out: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Read a piece's frames and decode it into `out`; without `out` (sparse only) return its kept offsets
+        within the piece and values."""
         name = h.names[ti]
         what = f"tensor {name!r}"
         raw = h.codec == "paper_int8"
-        n = out.size
         if raw:
             limit = 2 * -(-n // huffman.SEGMENT) + -(-n * huffman.MAX_LEN // 8)
             blob = bytearray()
         else:
             size = schemes.content_size(h.plan, n)
-            content = np.empty(size, np.uint8)
+            content = self.scratch.content(size) if self.scratch is not None else np.empty(size, np.uint8)
             sink = Inflater(content, what)
         for k in range(1 << 32):
             try:
@@ -365,10 +431,16 @@ class StreamDecoder:
             if last:
                 break
         if raw:
-            schemes.decode(np.frombuffer(bytes(blob), np.uint8), h.plan, out, what, start)
+            content = np.frombuffer(bytes(blob), np.uint8)
         else:
             sink.finish()
-            schemes.decode(content, h.plan, out, what, start)
+        if out is None:
+            return sparse.decode(content, h.plan.layout(n), what)
+        schemes.decode(content, h.plan, out, what, start)
+        return _NOTHING
+
+
+_NOTHING = (np.zeros(0, np.int64), np.zeros(0, np.float32))
 
 
 def _alloc(shape: tuple[int, ...], what: str) -> np.ndarray:
@@ -402,6 +474,53 @@ def decode(payload: object, expected: Expected | None = None) -> dict[str, np.nd
         n: arrays[n] if n in arrays else np.zeros(s, np.float32)
         for n, s in zip(dec.header.names, dec.header.shapes, strict=True)
     }
+
+
+def decode_sparse(payload: object, expected: Expected | None = None) -> dict[str, np.ndarray | SparseTensor]:
+    """As `decode`, but the tensors of a sparse payload come as SparseTensors (kept indices and values, never
+    densified); other payloads decode as `decode` gives them."""
+    return decode_stream(payload, expected, sparse=True)[1]
+
+
+def decode_stream(
+    payload: object, expected: Expected | None = None, sparse: bool = False, scratch: Scratch | None = None
+) -> tuple[str, dict[str, np.ndarray | SparseTensor]]:
+    """(codec, tensors) of a payload read to its end (bytes or byte chunks as they arrive); with `sparse` as
+    `decode_sparse` gives them, else dense; with `scratch`, dense tensors are its reused buffers."""
+    chunks = _chunks_of(payload)
+    dec = StreamDecoder(expected, sparse=sparse, scratch=scratch)
+    parts: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+    dense: dict[str, np.ndarray] = {}
+
+    def target(name: str, shape: tuple[int, ...], start: int, n: int) -> np.ndarray:
+        if name not in dense:
+            dense[name] = scratch.array(name, shape) if scratch is not None else _alloc(shape, f"tensor {name!r}")
+        return dense[name].reshape(-1)[start : start + n]
+
+    for piece in dec.pieces(chunks, target):
+        if piece.indices is not None:
+            idx, vals = parts.setdefault(piece.name, ([], []))
+            idx.append(piece.indices)
+            vals.append(piece.values)
+    assert dec.header is not None
+    if scratch is not None and dense:
+        scratch.keep_only(dense)
+    out: dict[str, np.ndarray | SparseTensor] = {}
+    for name, shape in zip(dec.header.names, dec.header.shapes, strict=True):
+        if name in parts or (sparse and dec.header.codec == "sparse"):
+            idx, vals = parts.get(name, ([], []))
+            cat = (np.concatenate(idx), np.concatenate(vals)) if idx else _NOTHING
+            out[name] = SparseTensor(shape, *cat)
+        else:
+            out[name] = dense[name] if name in dense else np.zeros(shape, np.float32)  # (empty tensors)
+    return dec.header.codec, out
+
+
+def _chunks_of(payload: object) -> Iterable[object]:
+    chunks = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else payload
+    if not isinstance(chunks, Iterable) or isinstance(payload, str):
+        raise CodecError(f"payload: expected bytes, got {type(payload).__name__}")
+    return chunks
 
 
 def codec_name(payload: object) -> str:

@@ -11,7 +11,7 @@ from geofed_hpc.config.fields import OneOrMany, check, choice
 from geofed_hpc.config.section import section
 
 # Codecs on the wire (geofed_hpc.codec implements each); "adaptive" lets each site pick one per push.
-WIRE_CODECS = ("fp32", "bf16", "int16", "int8", "int4", "paper_int8")
+WIRE_CODECS = ("fp32", "bf16", "int16", "int8", "int4", "int2", "paper_int8", "sparse")
 WireCodec = Annotated[str, choice(WIRE_CODECS)]
 Share = Annotated[StrictFloat, Field(gt=0, le=1)]
 
@@ -36,6 +36,19 @@ class CodecConfig:
     """The budget: this share of the sync interval per push."""
     adaptive_ema: Share = 0.3
     """The weight of the newest throughput measurement."""
+    density: Annotated[StrictFloat, Field(gt=0, le=0.5)] = 1 / 64
+    """sparse: the share of each chunk's values sent (its largest magnitudes); chunk x density must be whole."""
+    chunk: Annotated[StrictInt, Field(ge=64, le=1 << 16)] = 4096
+    """sparse: values per chunk (each keeps chunk x density values, with one magnitude range)."""
+    value_bits: Annotated[StrictInt, Field(ge=1, le=4)] = 2
+    """sparse: bits per kept value (a sign and value_bits - 1 bits of magnitude within the chunk's range)."""
 
     def __post_init__(self) -> None:
         check(len(set(self.adaptive_codecs)) == len(self.adaptive_codecs), "codec.adaptive_codecs", "has duplicates")
+        keep = self.chunk * self.density
+        check(
+            abs(keep - round(keep)) <= 1e-6 * keep and 1 <= round(keep) <= self.chunk // 2,
+            "codec.density",
+            f"codec.chunk x codec.density must be a whole number of values kept per chunk, 1 to chunk/2; "
+            f"{self.chunk} x {self.density:g} = {keep:g} (e.g. density {max(1, round(keep)) / self.chunk:g})",
+        )

@@ -88,8 +88,28 @@ def choice(options: tuple[str, ...]) -> AfterValidator:
 
 # A federation, site or sbatch file name: safe in paths, job names and W&B groups.
 Name = Annotated[str, pattern(r"[A-Za-z0-9_.-]+", "use letters, digits, _ . -; got {value!r}")]
-# host:port, or empty.
-HostPort = Annotated[str, pattern(r"(?:[^\s:]+:\d{1,5})?", "expected host:port, got {value!r}")]
+_HOST_PORT = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:\[\]]+):(?P<port>\d+)")
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    """(host, port) of `host:port` or `[ipv6]:port`; ValueError saying what is wrong (a port outside 1..65535)."""
+    match = _HOST_PORT.fullmatch(value)
+    if not match:
+        raise ValueError(f"expected host:port (e.g. vm.example.org:50051, [2001:db8::1]:50051), got {value!r}")
+    port = int(match.group("port"))
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port {port} of {value!r} is out of range: a port is 1..65535")
+    return match.group("host").strip("[]"), port
+
+
+def _host_port(value: str) -> str:
+    if value:
+        split_host_port(value)
+    return value
+
+
+# host:port (a port in 1..65535), [ipv6]:port, or empty.
+HostPort = Annotated[str, AfterValidator(_host_port)]
 
 
 def check(cond: bool, name: str, message: str) -> None:

@@ -85,6 +85,8 @@ class PSConfig:
     """Snapshot every this many versions (and on SIGTERM)."""
     downlink_codec: Annotated[str, choice(("", *WIRE_CODECS))] = ""
     """Codec of the global updates sent to sites that hold a recent version ("": the run's codec)."""
+    downlink_density: Annotated[StrictFloat, Field(ge=0, le=0.5)] = 0.0
+    """A sparse downlink's codec.density (0: codec.density); the updates it leaves out wait on the PS."""
     downlink_history: Annotated[StrictInt, Field(ge=0)] = 16
     """Updates kept for those sites (0: always full models)."""
     max_concurrent_pushes: AtLeastOne = 4
@@ -92,7 +94,7 @@ class PSConfig:
     max_concurrent_downloads: AtLeastOne = 4
     """Model or update downloads sent at once."""
     decode_threads: AtLeastOne = 2
-    """Threads that decode verified pushes (about a model each)."""
+    """Threads that decode pushes as they arrive (each keeps a model's worth of buffers to decode into)."""
     stream_window_bytes: Annotated[StrictInt, Field(ge=0)] = 1 << 20
     """Receive window of each stream, at least 65536 (0: gRPC sizes windows by bandwidth x delay)."""
     max_workers: Annotated[StrictInt, Field(ge=4)] = 128

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import StrictInt
 
@@ -12,7 +12,7 @@ from geofed_hpc.config.codec import CodecConfig
 from geofed_hpc.config.fields import Name, check
 from geofed_hpc.config.model import ModelConfig
 from geofed_hpc.config.ps import PSConfig
-from geofed_hpc.config.section import section
+from geofed_hpc.config.section import section, to_dict
 from geofed_hpc.config.site import SiteConfig
 from geofed_hpc.config.train import DEFAULT_TARGETS, SPLIT_PARADIGMS, DataConfig, ParadigmConfig, TrainConfig
 
@@ -42,6 +42,13 @@ class RunConfig:
             self.data = replace(self.data, tokenizer=self.model_tokenizer())
         if not self.paradigm.targets:
             self.paradigm = replace(self.paradigm, targets=list(DEFAULT_TARGETS[self.model.arch]))
+        keep = self.codec.chunk * self.ps.downlink_density
+        check(
+            self.ps.downlink_density == 0 or (abs(keep - round(keep)) <= 1e-6 * keep and 1 <= round(keep)),
+            "ps.downlink_density",
+            f"codec.chunk x ps.downlink_density must be a whole number of values kept per chunk; "
+            f"{self.codec.chunk} x {self.ps.downlink_density:g} = {keep:g}",
+        )
         if self.paradigm.name == "zo":
             check(
                 self.train.max_local_steps >= 1,
@@ -86,3 +93,23 @@ class RunConfig:
             if beside.is_file():
                 return str(beside)
         return ""
+
+
+def model_shape(cfg: RunConfig) -> dict[str, Any]:
+    """The model config a site checkpoint must match (its name and initial weights do not matter), and the paradigm
+    (which adds its adapters to the model)."""
+    shape = {k: v for k, v in to_dict(cfg.model).items() if k not in ("name", "init_from", "tokenizer")}
+    return {**shape, "paradigm": cfg.paradigm.describe()}
+
+
+def shape_difference(cfg: RunConfig, recorded: dict[str, Any] | None) -> tuple[str, Any, Any] | None:
+    """(key as the command line writes it, the checkpoint's value, this run's) of the first field where a checkpoint's
+    recorded model (meta "model") differs from `cfg`'s; None when they agree."""
+    ours = model_shape(cfg)
+    # older checkpoints: pretraining, and the defaults of fields added since
+    theirs = {"paradigm": "identity", **model_shape(RunConfig()), **(recorded if recorded is not None else ours)}
+    diff = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+    if not diff:
+        return None
+    key = diff[0] if diff[0] == "paradigm" else f"model.{diff[0]}"
+    return key, theirs.get(diff[0]), ours.get(diff[0])

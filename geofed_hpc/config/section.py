@@ -24,6 +24,8 @@ _CONFIG = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
 # Each section class and the key it sits under in RunConfig ("" for RunConfig itself).
 _PREFIX: dict[type, str] = {}
 _ADAPTERS: dict[type, TypeAdapter[Any]] = {}
+# Keys that were renamed: the old name is refused naming the new one.
+RENAMED = {"site.cpus_per_site": "site.cpus_per_task (it always was per task, i.e. per rank)"}
 _EXPECTED = {
     "int_type": "an integer",
     "float_type": "a number",
@@ -81,6 +83,8 @@ def config_error(exc: ValidationError, cls: type) -> ConfigError:
     error = exc.errors()[0]
     key, owner, info = _locate(cls, error["loc"])
     if error["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+        if key in RENAMED:
+            return ConfigError(f"{key}: renamed to {RENAMED[key]}; write that in your site file or override")
         where = key.rpartition(".")[0] or "the top level"
         valid = ", ".join(sorted(getattr(owner, "__pydantic_fields__", {})))
         return ConfigError(f"unknown key {key}{_first_leaf(error['input'])}; valid keys in {where}: {valid}")

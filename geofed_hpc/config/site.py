@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import field
 from datetime import timedelta
 from typing import Annotated, Literal
 
-from pydantic import Field, StrictBool, StrictFloat, StrictInt
+from pydantic import AfterValidator, Field, StrictBool, StrictFloat, StrictInt
 
-from geofed_hpc.config.fields import Duration, Name, OneOrMany, check, pattern
+from geofed_hpc.config.fields import Duration, Name, OneOrMany, check, pattern, split_host_port
 from geofed_hpc.config.section import section
 
 # GPU type names as clusters spell them in --gres=gpu:TYPE:N / --gpus-per-node=TYPE:N.
@@ -19,7 +20,17 @@ GPU_TYPES = (
 )  # fmt: skip
 
 _SBATCH_OPTION = pattern(r"[a-z][a-z0-9_-]*", "expected sbatch option names without the leading --, got {value!r}")
-_PROXY = pattern(r"(?:https?://[^\s/]+(:\d+)?/?)?", "expected http://host:port, got {value!r}")
+_PROXY_URL = re.compile(r"https?://(?P<where>[^\s/@]+)/?")
+
+
+def _proxy(value: str) -> str:
+    """http://host:port (the port in 1..65535), or empty."""
+    match = _PROXY_URL.fullmatch(value)
+    if value and not match:
+        raise ValueError(f"expected http://host:port, got {value!r}")
+    if match and ":" in match.group("where").rsplit("]", 1)[-1]:
+        split_host_port(match.group("where"))
+    return value
 
 
 @section("site")
@@ -39,8 +50,8 @@ class SiteConfig:
     """How many shards the data is split into (0: first_shard + num_sites)."""
     embedded_ps: StrictBool = True
     """Run the parameter server inside `launch` (local demos); a Slurm site dials ps.address instead."""
-    cpus_per_site: Annotated[StrictInt, Field(ge=1)] = 1
-    """CPU cores per site task."""
+    cpus_per_task: Annotated[StrictInt, Field(ge=1)] = 1
+    """CPU cores per task (--cpus-per-task): per rank, so a job gets nodes x tasks_per_node x this many."""
     timeout: Duration = timedelta(hours=1)
     """The job's time limit (Slurm: whole minutes)."""
     token: str = ""
@@ -76,7 +87,7 @@ class SiteConfig:
     """Requeues after a time-out (preemptions are not counted)."""
     use_srun: StrictBool = True
     """Start the tasks with srun inside the job."""
-    proxy: Annotated[str, _PROXY] = ""
+    proxy: Annotated[str, AfterValidator(_proxy)] = ""
     """http://host:port when compute nodes reach the internet only through it ("": none)."""
     run_dir: str = ""
     """A filesystem every node shares; the run lives in <run_dir>/<federation> ("": the top-level run_dir)."""

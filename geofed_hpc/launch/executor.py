@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import math
 import os
 import re
@@ -47,19 +48,38 @@ def site_run_dir(cfg: RunConfig, environ: Mapping[str, str] | None = None, stric
     elsewhere) leaves unset ones as they are.
     """
     env = os.environ if environ is None else environ
-    if cfg.site.run_dir:
-        raw = cfg.site.run_dir
-        expanded = _expand(raw, env)
-        if "$" in expanded and strict:
-            raise ConfigError(f"site.run_dir: {raw!r} uses an environment variable that is not set here")
-        root = Path(expanded).expanduser()
-        return (root if "$" in expanded else root.absolute()) / cfg.federation
-    return Path(_expand(cfg.run_dir, env)).expanduser().absolute()
+    key, raw = ("site.run_dir", cfg.site.run_dir) if cfg.site.run_dir else ("run_dir", cfg.run_dir)
+    expanded = _expand(raw, env)
+    unset = unset_variables(raw, env)
+    if unset and strict:
+        raise ConfigError(
+            f"{key}: {raw!r} uses ${unset[0]}, which is not set here; export it on this login node, or give {key}=PATH"
+        )
+    root = Path(expanded).expanduser()
+    root = root if unset else root.absolute()
+    return root / cfg.federation if cfg.site.run_dir else root
+
+
+def _fallback(name: str) -> str | None:
+    """$USER and $HOME where the environment lacks them (a container, a cron job): from the password database."""
+    if name in ("USER", "LOGNAME"):
+        return getpass.getuser()
+    if name == "HOME":
+        return str(Path.home())
+    return None
 
 
 def _expand(text: str, env: Mapping[str, str]) -> str:
-    """$VAR and ${VAR} from `env`; unknown variables stay as they are."""
-    return _VAR.sub(lambda m: env.get(m.group(1) or m.group(2), m.group(0)), text)
+    """$VAR and ${VAR} from `env` ($USER, $HOME from the system when unset); unknown variables stay as they are."""
+    return _VAR.sub(
+        lambda m: env.get(m.group(1) or m.group(2)) or _fallback(m.group(1) or m.group(2)) or m.group(0), text
+    )
+
+
+def unset_variables(text: str, env: Mapping[str, str]) -> list[str]:
+    """The $VARIABLES of `text` that neither `env` nor the system's fallback knows."""
+    names = [m.group(1) or m.group(2) for m in _VAR.finditer(text)]
+    return [n for n in names if not env.get(n) and _fallback(n) is None]
 
 
 def job_folder(run_dir: Path, site_name: str) -> Path:
@@ -114,7 +134,7 @@ def sbatch_parameters(cfg: RunConfig, site_index: int) -> dict[str, Any]:
         "time": max(1, math.ceil(site.timeout.total_seconds() / 60)),
         "nodes": site.nodes,
         "ntasks_per_node": site.tasks_per_node,
-        "cpus_per_task": site.cpus_per_site,
+        "cpus_per_task": site.cpus_per_task,
         "signal_delay_s": int(site.signal_delay.total_seconds()),
         "use_srun": site.use_srun,
         "stderr_to_stdout": False,
@@ -174,3 +194,41 @@ def shared_fs_warning(path: Path, mounts: str) -> str | None:
         "usually do not share: requeued jobs would not find their checkpoints. Put site.run_dir on a shared "
         "filesystem ($SCRATCH, $WORK, project space), or set site.shared_fs=true if it is shared"
     )
+
+
+def federation_summary(cfg: RunConfig, run_dir: Path, environ: Mapping[str, str] | None = None) -> list[str]:
+    """What a launch sets up, paths expanded as this login node expands them: the jobs, where they write, the PS
+    they dial (TLS files, token), the model, codec, paradigm and cadence."""
+    env = os.environ if environ is None else environ
+    site, ps, train = cfg.site, cfg.ps, cfg.train
+
+    def path(text: str) -> str:
+        return str(Path(_expand(text, env)).expanduser()) if text else "-"
+
+    names = site_names(cfg)
+    shown = ", ".join(names[:4]) + (f", ... ({len(names)})" if len(names) > 4 else "")
+    lines = [
+        f"federation {cfg.federation}: site {site.name} submits {len(names)} job{'s' * (len(names) != 1)} ({shown}) on "
+        f"data shards {site.first_shard}..{site.first_shard + site.num_sites - 1} of {site.shards}",
+        f"run directory {run_dir} (checkpoints in sites/, job files and logs in jobs/, metrics in metrics/)",
+    ]
+    unset = unset_variables(site.run_dir or cfg.run_dir, env)
+    if unset:
+        lines.append(f"  ${unset[0]} is not set here: `launch` refuses it until it is (or give site.run_dir=PATH)")
+    if ps.insecure:
+        tls = "plaintext (ps.insecure=true: local tests only)"
+    else:
+        tls = f"TLS, CA {path(ps.ca_file)}"
+        if ps.client_cert_file:
+            tls += f", client certificate {path(ps.client_cert_file)}"
+    token = "set" if site.token else "none (site.token=...)"
+    lines.append(f"parameter server {ps.address or '(ps.address not set)'}, {tls}, enrollment token {token}")
+    start = f", from {path(cfg.model.init_from)}" if cfg.model.init_from else ""
+    cadence = f"every {_fmt(train.sync_interval)}" if train.sync_interval.total_seconds() > 0 else ""
+    cadence += f"{' or ' if cadence else 'every '}{train.max_local_steps} steps" if train.max_local_steps else ""
+    syncs = f", {train.max_syncs} syncs" if train.max_syncs else ""
+    lines.append(
+        f"model {cfg.model.name} ({cfg.model.arch}{start}), paradigm {cfg.paradigm.name}, codec {cfg.codec.name}, "
+        f"sync {cadence}{syncs}, data {cfg.data.source}, python {python_command(cfg)}"
+    )
+    return lines

@@ -14,6 +14,7 @@ from geofed_hpc.client.job import ClientJob
 from geofed_hpc.config import RunConfig, to_dict
 from geofed_hpc.errors import LaunchError
 from geofed_hpc.launch import progress
+from geofed_hpc.launch.jobs import error_cause, tail
 from geofed_hpc.metrics import read_jsonl
 
 POLL_S = 0.5
@@ -63,30 +64,46 @@ class Follower:
             self.seen[path] = len(lines)
 
 
+def failure(job: submitit.Job) -> str | None:
+    """Why a finished local job failed, in one line (its exception, from submitit's report or its log); None when it
+    did not fail."""
+    exc = job.exception()
+    if exc is None:
+        return None
+    cause = error_cause(str(exc)) or error_cause(tail(Path(job.paths.stderr), 400))
+    if cause is None:
+        lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+        cause = lines[0] if lines else type(exc).__name__
+    return f"site job {job.job_id} failed: {cause}; full log: {job.paths.stderr}"
+
+
 def follow(jobs: list[submitit.Job], cfg: RunConfig, since: float, out: TextIO = sys.stdout) -> list[dict[str, Any]]:
-    """Print the table until every job ended; raise LaunchError naming a failed site and its log."""
+    """Print the table until every job ended. When one fails, the others are cancelled and LaunchError names the
+    failed site, the cause and its log."""
     follower = Follower(Path(cfg.run_dir) / "metrics", since, out)
     print(progress.header(), file=out, flush=True)
+    finished: set[str] = set()  # jobs that ended and did not fail
     try:
         while not all(job.done() for job in jobs):
             follower.poll()
+            ended = [j for j in jobs if j.job_id not in finished and j.done()]
+            why = next((w for w in map(failure, ended) if w), None)
+            finished.update(j.job_id for j in ended)
+            if why is not None:
+                for job in jobs:
+                    job.cancel(check=False)
+                raise LaunchError(why)
             time.sleep(POLL_S)
     except KeyboardInterrupt:
         for job in jobs:
             job.cancel(check=False)
         raise
     follower.poll()
-    results = []
-    for job in jobs:
-        try:
-            results.append(job.result())
-        except Exception as exc:  # noqa: BLE001 - submitit wraps the job's own error
-            last = [line for line in str(exc).strip().splitlines() if line.strip()]
-            raise LaunchError(
-                f"site job {job.job_id} failed: {last[-1] if last else exc}; full log: {job.paths.stderr}"
-            ) from None
+    why = next((w for w in map(failure, jobs) if w), None)
+    if why is not None:
+        raise LaunchError(why)
     print(progress.summary(follower.records), file=out, flush=True)
-    return results
+    return [job.result() for job in jobs]
 
 
 def launch_local(cfg: RunConfig, ps_address: str, out: TextIO = sys.stdout) -> list[dict[str, Any]]:

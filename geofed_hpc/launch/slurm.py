@@ -58,7 +58,13 @@ class JobState:
 
     @property
     def active(self) -> bool:
-        return self.state in TRANSIENT or self.state == "UNKNOWN"
+        """Still queued, running or coming back; a job no Slurm command knows any more is not (it ended long ago)."""
+        return self.state in TRANSIENT or (self.state == "UNKNOWN" and self.source != "none")
+
+    @property
+    def failed(self) -> bool:
+        """Ended without completing (failed, timed out for good, out of memory, node failure); not a cancelled one."""
+        return not self.active and self.source != "none" and self.state not in ("COMPLETED", "CANCELLED", "UNKNOWN")
 
     def describe(self) -> str:
         note = WHY.get(self.state) or (self.reason if self.reason not in ("", "None") else "")
@@ -92,8 +98,8 @@ def submission_environment() -> Iterator[list[str]]:
         yield dropped
 
 
-def preflight(cfg: RunConfig) -> None:
-    """Everything that can be refused before submitting: the site's arithmetic, and Slurm's commands."""
+def require_slurm(cfg: RunConfig) -> None:
+    """What submitting needs besides the checks of commands/preflight.py: the site's arithmetic, Slurm's commands."""
     check_slurm_site(cfg)
     require("sbatch", f"site.executor=slurm: site {cfg.site.name!r} submits its jobs with sbatch")
     require("srun", "submitit's SlurmExecutor refuses to start without it")
@@ -101,7 +107,7 @@ def preflight(cfg: RunConfig) -> None:
 
 def submit_site(cfg: RunConfig, ps_address: str) -> list[JobRecord]:
     """Submit one ClientJob per site of `cfg.site` into the fixed run directory; return what was submitted."""
-    preflight(cfg)
+    require_slurm(cfg)
     run_dir = site_run_dir(cfg)
     if not cfg.site.shared_fs:
         warning = shared_fs_warning(run_dir, Path("/proc/mounts").read_text() if Path("/proc/mounts").exists() else "")
@@ -147,6 +153,11 @@ def job_states(job_ids: Sequence[str]) -> dict[str, JobState]:
     ids = [str(j) for j in job_ids]
     if not ids:
         return states
+    if not any(shutil.which(c) for c in ("squeue", "sacct", "scontrol")):
+        raise LaunchError(
+            "no Slurm command here (squeue, sacct, scontrol are not on PATH): run this on the cluster's login node, "
+            "or load its Slurm module first (`module load slurm`)"
+        )
     out = _run(["squeue", "-h", "-t", "all", "-j", ",".join(ids), "-o", "%i|%T|%M|%r"])
     for line in out.stdout.splitlines() if out else []:
         parts = line.strip().split("|")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,7 @@ from torch import nn
 from geofed_hpc.config import ModelConfig
 from geofed_hpc.errors import ConfigError
 from geofed_hpc.log import logger
-from geofed_hpc.models.hfconfig import check_config
+from geofed_hpc.models.hfconfig import check_folder_config, checkpoint_files
 
 # (pattern on the Hugging Face name, our name template, transpose?) — GPT-2's Conv1D stores [in, out].
 _GPT2 = [
@@ -57,47 +56,13 @@ def map_name(arch: str, hf_name: str) -> tuple[str, bool] | None:
     return None
 
 
-def checkpoint_files(path: Path) -> list[Path]:
-    """The .safetensors files of a checkpoint: the file itself, the index's shards, or every file in the folder."""
-    if path.is_file():
-        if path.suffix != ".safetensors":
-            raise ConfigError(f"model.init_from: {path} is not a .safetensors file or a folder holding them")
-        return [path]
-    if not path.is_dir():
-        raise ConfigError(f"model.init_from: {path} does not exist; give a .safetensors file or a folder")
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ConfigError(f"model.init_from: {index} is not a safetensors index ({exc})") from exc
-        return [path / name for name in sorted(set(weight_map.values()))]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"model.init_from: no .safetensors files in {path}")
-    return files
-
-
-def _check_config(cfg: ModelConfig, folder: Path) -> None:
-    file = folder / "config.json"
-    if not file.is_file():
-        return
-    try:
-        hf = json.loads(file.read_text())
-    except ValueError as exc:
-        raise ConfigError(f"model.init_from: {file} is not valid JSON ({exc})") from exc
-    if not isinstance(hf, dict):
-        raise ConfigError(f"model.init_from: {file} is not a Hugging Face config (not a JSON object)")
-    check_config(cfg, hf, str(file))
-
-
 def read_hf_tensors(cfg: ModelConfig, path: str | Path) -> Iterator[tuple[str, torch.Tensor, str]]:
     """(our parameter name, full tensor, where it was read) for every tensor of the Hugging Face checkpoint at
     `path`, one at a time (transposed where GPT-2's Conv1D needs it). A tied output layer is checked against the
     embedding, not yielded. ConfigError names the file and tensor of anything that does not fit `cfg`."""
     path = Path(path).expanduser()
     files = checkpoint_files(path)
-    _check_config(cfg, path if path.is_dir() else path.parent)
+    check_folder_config(cfg, path if path.is_dir() else path.parent)
     held: dict[str, tuple[torch.Tensor, Path]] = {}  # tied: the head and the embedding, until both were read
     checked = False
     for file in files:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from geofed_hpc.config import ModelConfig
@@ -130,3 +132,38 @@ def hf_config(cfg: ModelConfig, dtype: str, bos_id: int, eos_id: int) -> dict[st
         "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if cfg.rope_scaling > 1 else None,
         **common,
     }
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The .safetensors files of a checkpoint: the file itself, the index's shards, or every file in the folder."""
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise ConfigError(f"model.init_from: {path} is not a .safetensors file or a folder holding them")
+        return [path]
+    if not path.is_dir():
+        raise ConfigError(f"model.init_from: {path} does not exist; give a .safetensors file or a folder")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"model.init_from: {index} is not a safetensors index ({exc})") from exc
+        return [path / name for name in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model.init_from: no .safetensors files in {path}")
+    return files
+
+
+def check_folder_config(cfg: ModelConfig, folder: Path) -> None:
+    """The config.json beside a checkpoint (when there is one) against `cfg`."""
+    file = folder / "config.json"
+    if not file.is_file():
+        return
+    try:
+        hf = json.loads(file.read_text())
+    except ValueError as exc:
+        raise ConfigError(f"model.init_from: {file} is not valid JSON ({exc})") from exc
+    if not isinstance(hf, dict):
+        raise ConfigError(f"model.init_from: {file} is not a Hugging Face config (not a JSON object)")
+    check_config(cfg, hf, str(file))

@@ -9,7 +9,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from geofed_hpc.codec.sparse import SparseTensor
 from geofed_hpc.paradigms.exchange import Params
+
+# A decoded delta: dense arrays, or for a sparse payload its kept indices and values (folded by scatter-add).
+Delta = dict[str, np.ndarray | SparseTensor]
 
 
 @dataclass
@@ -33,7 +37,8 @@ class WeightedSum:
 
 
 class MeanAccumulator:
-    """Fold weighted deltas into one running sum: memory is one model's worth, whatever the count.
+    """Fold weighted deltas into one running sum: memory is one model's worth, whatever the count. A sparse
+    tensor is scatter-added at its kept positions (the sum is the only dense copy).
 
     fold(delta, weight, scale, steps) adds weight*scale*delta; take_sum() hands over the WeightedSum (before the
     mean: what a peer group would reduce), take_mean() its mean and FedNova's effective step count (the weighted
@@ -49,19 +54,24 @@ class MeanAccumulator:
 
     def fold(
         self,
-        delta: Mapping[str, np.ndarray],
+        delta: Mapping[str, np.ndarray | SparseTensor],
         weight: float = 1.0,
         scale: float = 1.0,
         steps: int = 0,
         consume: bool = False,
     ) -> None:
-        """Add `weight * scale * delta`; with `consume` the caller's arrays may be scaled in place."""
+        """Add `weight * scale * delta`; with `consume` the caller's arrays may be scaled in place. It never keeps
+        them (the PS decodes the next push into the same buffers)."""
         if not weight > 0:
             raise ValueError(f"weight must be positive, got {weight}")
         factor = np.float32(weight * scale)
         if self._sum is None:
             self._sum = {}
             for k, v in delta.items():
+                if isinstance(v, SparseTensor):
+                    self._sum[k] = np.zeros(v.shape, np.float32)
+                    v.add_into(self._sum[k], factor)
+                    continue
                 own = np.array(v, dtype=np.float32, copy=True)
                 if factor != 1:
                     own *= factor
@@ -70,7 +80,9 @@ class MeanAccumulator:
             if delta.keys() != self._sum.keys():
                 raise ValueError("delta names differ from the ones already folded")
             for k, v in delta.items():
-                if factor == 1:
+                if isinstance(v, SparseTensor):
+                    v.add_into(self._sum[k], factor)
+                elif factor == 1:
                     self._sum[k] += v
                 elif consume and v.dtype == np.float32:
                     v *= factor
@@ -134,13 +146,26 @@ class RelativeWork:
         self._recent.extend(float(t) for t in recent)
 
 
-def global_norm(delta: Mapping[str, np.ndarray]) -> float:
+def global_norm(delta: Mapping[str, np.ndarray | SparseTensor]) -> float:
     """L2 norm over every tensor of `delta` (accumulated in float64)."""
     total = 0.0
     for v in delta.values():
+        if isinstance(v, SparseTensor):
+            total += v.sq_norm()
+            continue
         flat = v.reshape(-1)
         total += float(np.dot(flat, flat)) if flat.size else 0.0
     return math.sqrt(total)
+
+
+def scale_delta(delta: Mapping[str, np.ndarray | SparseTensor], factor: float) -> None:
+    """delta *= factor, in place (a sparse tensor's kept values only)."""
+    f = np.float32(factor)
+    for v in delta.values():
+        if isinstance(v, SparseTensor):
+            v.values *= f
+        else:
+            v *= f
 
 
 def clip_scale(norm: float, clip_norm: float) -> float:

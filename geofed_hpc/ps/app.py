@@ -75,7 +75,7 @@ class ParameterServer:
         self.cfg = cfg
         limit_malloc_arenas()
         exchange = exchange_for(cfg.paradigm, cfg.train.max_local_steps)
-        self.logic = ParameterServerLogic(cfg.ps, run_settings(cfg), exchange=exchange)
+        self.logic = ParameterServerLogic(cfg.ps, run_settings(cfg), exchange=exchange, codec=cfg.codec)
         try:
             self.split = attach_split_part(cfg, self.logic)
         except BaseException:

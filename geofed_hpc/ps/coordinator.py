@@ -10,12 +10,12 @@ from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
-from geofed_hpc.config import PSConfig
+from geofed_hpc.config import CodecConfig, PSConfig
 from geofed_hpc.errors import GeofedError, ProtocolError, StaleError, UnavailableError
 from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
 from geofed_hpc.paradigms.exchange import Exchange
-from geofed_hpc.ps.aggregate import Params
+from geofed_hpc.ps.aggregate import Delta, Params
 from geofed_hpc.ps.journal import Entry
 from geofed_hpc.ps.ledger import PushLedger, resent
 from geofed_hpc.ps.model import GlobalModel, NonFiniteUpdate
@@ -23,7 +23,7 @@ from geofed_hpc.ps.observe import Contribution, Observer
 from geofed_hpc.ps.persist import Persistence, load_init
 from geofed_hpc.ps.rounds import Prepared, RoundTotals
 from geofed_hpc.ps.sessions import Session, SessionTable
-from geofed_hpc.ps.staging import Staging, decode_push
+from geofed_hpc.ps.staging import Staging, decode_delta
 from geofed_hpc.ps.strategy import strategy_for
 from geofed_hpc.ps.tokens import TokenVerifier, tokens_path
 from geofed_hpc.rpc import messages as m
@@ -52,6 +52,7 @@ class Coordinator:
         staging: Staging,
         clock: Callable[[], float] = time.monotonic,
         exchange: Exchange | None = None,
+        codec: CodecConfig | None = None,
     ) -> None:
         self.cfg = cfg
         self.settings = settings
@@ -67,7 +68,7 @@ class Coordinator:
         tokens = TokenVerifier(tokens_path(cfg.state_dir) if cfg.state_dir else None, cfg.enroll_token)
         idle_after = 3 * cfg.round_timeout.total_seconds()
         self.sessions = SessionTable(tokens, clock, idle_after, cfg.max_sessions, cfg.max_sessions_per_site)
-        self.model = GlobalModel(cfg, settings, exchange, state / "updates" if state else None)
+        self.model = GlobalModel(cfg, settings, exchange, state / "updates" if state else None, codec)
         self.strategy = strategy_for(cfg, staging, clock)
         self.ledger = PushLedger()
         stamp = {"aggregation": cfg.aggregation, "outer_optimizer": cfg.outer_optimizer, "paradigm": settings.paradigm}
@@ -185,16 +186,31 @@ class Coordinator:
         self.strategy.check(h, self.model.version)
 
     def seed_from(self, session: Session, header: m.PushHeader, params: Params) -> m.PushReply:
-        """An init push: `params` become the global model unless there is one."""
+        """An init push: `params` become the global model unless there is one, or unless the site's copy is newer
+        (the freshest wins: this PS came back from a snapshot older than the site's base, its journal lost)."""
         with self._cond:
-            if self.model.initialized:
+            ahead = self.model.initialized and header.base_version > self.model.version
+            if self.model.initialized and not ahead:
                 reason = f"already initialized at version {self.model.version}: pull the global model"
                 return self.ledger.remember(header.push_id, m.PushReply(False, self.model.version, reason))
+            if ahead:
+                assert self.model.params is not None
+                ours = {k: v.shape for k, v in self.model.params.items()}
+                if {k: v.shape for k, v in params.items()} != ours:
+                    reason = "its tensors differ from this PS's model: pull the global model"
+                    return self.ledger.remember(header.push_id, m.PushReply(False, self.model.version, reason))
+                logger.warning(
+                    "site %s holds version %d, newer than ours (%d; restored without the journal since): its copy "
+                    "becomes the global model",
+                    session.site,
+                    header.base_version,
+                    self.model.version,
+                )
             self._seed(params, max(0, header.base_version), f"site {session.site}")
             return self.ledger.remember(header.push_id, m.PushReply(True, self.model.version))
 
     def admit(
-        self, session: Session, header: m.PushHeader, delta: Params, nbytes: int, staged: Path | None
+        self, session: Session, header: m.PushHeader, delta: Delta, nbytes: int, staged: Path | None
     ) -> m.PushReply:
         """Fold a verified, decoded delta into the open round and answer its push. `staged`: its payload file,
         journaled first: the answer "accepted" comes only once the delta is on disk (a PS killed later replays it
@@ -232,7 +248,7 @@ class Coordinator:
             )
             return reply
 
-    def _prepare(self, header: m.PushHeader, delta: Params) -> Prepared:
+    def _prepare(self, header: m.PushHeader, delta: Delta) -> Prepared:
         """Check and prepare (clip, normalise, spool) a delta; nothing is folded yet."""
         with self._cond:
             self.model.check(delta)  # before folding: it cannot be undone
@@ -356,7 +372,7 @@ class Coordinator:
         site's retransmission is answered as a duplicate)."""
         h = entry.header
         self.strategy.check(h, self.model.version)  # what the header alone shows (fednova needs local steps, ...)
-        prepared = self._prepare(h, decode_push(entry.payload, h, self.model.spec))
+        prepared = self._prepare(h, decode_delta(entry.payload, h, self.model.spec))
         prepared.push_id = h.push_id
         with self._cond:
             self._fold(prepared, h, entry.site, self.sessions.sessions.get(h.session_id), len(entry.payload))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -10,11 +11,12 @@ from pathlib import Path
 import numpy as np
 
 from geofed_hpc import codec
+from geofed_hpc.codec.sparse import DenseView
 from geofed_hpc.config import CodecConfig, PSConfig
 from geofed_hpc.errors import ProtocolError
 from geofed_hpc.log import logger
 from geofed_hpc.paradigms.exchange import Exchange
-from geofed_hpc.ps.aggregate import OuterOptimizer, Params, add_update
+from geofed_hpc.ps.aggregate import Delta, OuterOptimizer, Params, add_update
 from geofed_hpc.ps.downlink import Downlink, Published
 from geofed_hpc.ps.persist import PSState
 from geofed_hpc.rpc import messages as m
@@ -37,6 +39,15 @@ class Proposal:
     expanded: Params
 
 
+def downlink_codec(cfg: PSConfig, settings: m.RunSettings, run_codec: CodecConfig | None) -> CodecConfig:
+    """The codec of published updates: ps.downlink_codec, else the run's (int8 when sites adapt theirs), with the
+    run's codec.* settings (ps.downlink_density for a sparse downlink)."""
+    base = run_codec or CodecConfig(block_size=settings.block_size)
+    name = cfg.downlink_codec or (settings.codec if settings.codec != "adaptive" else "int8")
+    density = cfg.downlink_density or base.density
+    return dataclasses.replace(base, name=name, block_size=settings.block_size, density=density)
+
+
 class GlobalModel:
     """Owns the global model and the transitions between its versions: `params` and `version`, their shapes and the
     wire spec of a delta (through the paradigm's `exchange`), the outer optimizer that turns an aggregated delta
@@ -47,16 +58,21 @@ class GlobalModel:
     changes only when a model is adopted, before any delta can be checked against it).
     """
 
-    def __init__(self, cfg: PSConfig, settings: m.RunSettings, exchange: Exchange, updates: Path | None) -> None:
+    def __init__(
+        self,
+        cfg: PSConfig,
+        settings: m.RunSettings,
+        exchange: Exchange,
+        updates: Path | None,
+        run_codec: CodecConfig | None = None,
+    ) -> None:
         self.exchange = exchange
         self.params: Params | None = None
         self.version = 0
         self._shapes: dict[str, tuple[int, ...]] = {}  # the global model's
         self._spec: dict[str, tuple[tuple[int, ...], str]] = {}  # what a delta carries
         self.outer = OuterOptimizer(cfg.outer_optimizer, cfg.global_lr, cfg.momentum)
-        run_codec = settings.codec if settings.codec != "adaptive" else "int8"  # adaptive varies per push
-        down = CodecConfig(name=cfg.downlink_codec or run_codec, block_size=settings.block_size)
-        self.downlink = Downlink(down, cfg.downlink_history, updates)
+        self.downlink = Downlink(downlink_codec(cfg, settings, run_codec), cfg.downlink_history, updates)
         self._model_cache: tuple[int, bytes, bytes] | None = None
         self._digest: tuple[int, bytes] | None = None  # the model's identity at a version (codec.model_digest)
         self._chain_cache: OrderedDict[int, tuple[bytes, bytes, list[int]]] = OrderedDict()
@@ -124,9 +140,9 @@ class GlobalModel:
         assert self.params is not None
         return PSState(self.version, self.params, self.outer.state(), self.downlink.residual)
 
-    def check(self, delta: Params) -> None:
+    def check(self, delta: Delta) -> None:
         """Refuse a decoded delta that does not fit this model (before folding: it cannot be undone)."""
-        self.exchange.check(delta, self.version, self._shapes)
+        self.exchange.check(DenseView(delta), self.version, self._shapes)
 
     def propose(self, delta: Params) -> Proposal:
         """The update for an aggregated `delta` (consumed): the outer optimizer's step and the downlink's encoding,

@@ -11,7 +11,16 @@ import numpy as np
 
 from geofed_hpc.config import PSConfig
 from geofed_hpc.log import logger
-from geofed_hpc.ps.aggregate import MeanAccumulator, Params, WeightedSum, clip_scale, global_norm, robust_rule
+from geofed_hpc.ps.aggregate import (
+    Delta,
+    MeanAccumulator,
+    Params,
+    WeightedSum,
+    clip_scale,
+    global_norm,
+    robust_rule,
+    scale_delta,
+)
 from geofed_hpc.ps.staging import Staging, read_rows
 
 # Robust rules read all spooled deltas coordinate slice by slice; one slice of all of them stays under this.
@@ -26,7 +35,7 @@ class Prepared:
     tokens: int
     steps: int
     norm: float
-    arrays: Params | None = None
+    arrays: Delta | None = None
     spool: Path | None = None
     push_id: str = ""
 
@@ -100,15 +109,15 @@ class OpenRound:
     def robust(self) -> bool:
         return self.cfg.robust != "none"
 
-    def prepare(self, delta: Params, session_id: str, steps: int, tokens: int) -> Prepared:
-        """Clip and normalise a delta (in place) and, for robust rules, spool it to disk. No lock needed."""
+    def prepare(self, delta: Delta, session_id: str, steps: int, tokens: int) -> Prepared:
+        """Clip and normalise a delta (in place) and, for robust rules, spool it to disk (a sparse tensor is
+        densified there, one at a time). No lock needed."""
         norm = global_norm(delta)
         coef = clip_scale(norm, self.cfg.clip_norm)
         if self.cfg.outer_optimizer == "fednova":
             coef /= steps
         if coef != 1.0:
-            for v in delta.values():
-                v *= np.float32(coef)
+            scale_delta(delta, coef)
         prepared = Prepared(session_id, tokens, steps, norm)
         if self.robust:
             prepared.spool = self.staging.spool(delta, self.spec)

@@ -12,14 +12,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from geofed_hpc.config import PSConfig
+from geofed_hpc.config import CodecConfig, PSConfig
 from geofed_hpc.errors import GeofedError, MismatchError, ProtocolError, UnavailableError
 from geofed_hpc.faults import fault
 from geofed_hpc.paradigms.exchange import Exchange
+from geofed_hpc.ps.aggregate import Delta
 from geofed_hpc.ps.coordinator import Coordinator
+from geofed_hpc.ps.ingest import Ingest
 from geofed_hpc.ps.journal import sync_file
 from geofed_hpc.ps.sessions import Session
-from geofed_hpc.ps.staging import Staging, decode_push
+from geofed_hpc.ps.staging import Staging, decode_delta, decode_push
 from geofed_hpc.ps.strategy import Strategy
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import first_header, to_chunks
@@ -33,13 +35,15 @@ class ParameterServerLogic:
     sockets. It checks what arrives, bounds how much arrives at once, and hands verified deltas to the
     coordinator (`core`, coordinator.py), which owns the PS's state and its lock.
 
-    A push is received into a staging file (`staging`) and verified (length, sha256) before anything is decoded; a
-    pool of `ps.decode_threads` threads decodes verified pushes (never the gRPC handler threads: each thread's
-    malloc arena keeps about the largest thing it once decoded) and hands them over. Memory is bounded by limits,
-    not by the number of sites: at most `ps.max_concurrent_pushes` streams are read and
+    A push is decoded as it arrives (`ingest`, ingest.py: frames go to a decoder thread while the handler thread
+    verifies length and sha256; nothing is used before the stream verified) when one of `ps.decode_threads`
+    decoder slots is free; otherwise it is received into a staging file (`staging`), verified, and decoded by a pool
+    of as many threads once a slot frees. Decoding never runs on the gRPC handler threads (each thread's malloc
+    arena keeps about the largest thing it once decoded). Memory is bounded by limits, not by the number of sites:
+    at most `ps.max_concurrent_pushes` streams are read, `ps.decode_threads` deltas decoded and
     `ps.max_concurrent_downloads` sent at once; the others wait.
 
-    Lock: none of its own; the two semaphores bound the streams, and the coordinator's lock guards all state.
+    Lock: none of its own; the semaphores bound the streams and decoders, the coordinator's lock guards all state.
     """
 
     def __init__(
@@ -48,6 +52,7 @@ class ParameterServerLogic:
         settings: m.RunSettings,
         clock: Callable[[], float] = time.monotonic,
         exchange: Exchange | None = None,
+        codec: CodecConfig | None = None,
     ) -> None:
         self.cfg = cfg
         state = Path(cfg.state_dir).expanduser() if cfg.state_dir else None
@@ -55,8 +60,9 @@ class ParameterServerLogic:
         self._receiving = threading.BoundedSemaphore(cfg.max_concurrent_pushes)
         self._sending = threading.BoundedSemaphore(cfg.max_concurrent_downloads)
         self._decoders = ThreadPoolExecutor(cfg.decode_threads, thread_name_prefix="ps-decode")
+        self.ingest = Ingest(cfg.decode_threads, self.staging)
         try:
-            self.core = Coordinator(cfg, settings, self.staging, clock, exchange)
+            self.core = Coordinator(cfg, settings, self.staging, clock, exchange, codec)
         except BaseException:
             self.staging.close()
             raise
@@ -95,11 +101,26 @@ class ParameterServerLogic:
             session, replay = self.core.begin_push(header)
             if replay is not None:
                 return replay
+            scratch = None if header.init else self.ingest.take()
             try:
-                path = self.staging.receive(header, first, it)
+                if scratch is not None:
+                    reply = self.ingest.receive(
+                        scratch,
+                        header,
+                        first,
+                        it,
+                        self.core.model.spec,
+                        self.core.journals,
+                        lambda delta, nbytes, staged: self._admit(session, header, delta, nbytes, staged),
+                    )
+                else:
+                    path = self.staging.receive(header, first, it)
             except BaseException as exc:
                 self.core.end_push(session, header.push_id, refused=isinstance(exc, GeofedError))
                 raise
+        if scratch is not None:
+            self.core.end_push(session, header.push_id, refused=False)
+            return reply
         try:
             reply = self._decoders.submit(self._apply_staged, session, header, path).result()
         except BaseException as exc:
@@ -120,22 +141,24 @@ class ParameterServerLogic:
             limit.release()
 
     def _apply_staged(self, session: Session, header: m.PushHeader, path: Path) -> m.PushReply:
-        """On a decoder thread: decode a verified staged push and hand it to the coordinator."""
-        payload = path.read_bytes()
-        if header.init:
-            return self.core.seed_from(session, header, decode_push(payload, header, None))
-        journaled = self.core.journals
-        if journaled:
-            sync_file(path)  # on disk before the journal may take it (outside the lock)
-        return self._apply_delta(session, header, payload, path if journaled else None)
+        """On a decoder thread, holding a decoder slot: decode a verified staged push and hand it to the
+        coordinator."""
+        with self.ingest.held():
+            payload = path.read_bytes()
+            if header.init:
+                return self.core.seed_from(session, header, decode_push(payload, header, None))
+            journaled = self.core.journals
+            if journaled:
+                sync_file(path)  # on disk before the journal may take it (outside the lock)
+            nbytes = len(payload)
+            delta = decode_delta(payload, header, self.core.model.spec)
+            del payload
+            return self._admit(session, header, delta, nbytes, path if journaled else None)
 
-    def _apply_delta(
-        self, session: Session, header: m.PushHeader, payload: bytes, staged: Path | None = None
+    def _admit(
+        self, session: Session, header: m.PushHeader, delta: Delta, nbytes: int, staged: Path | None
     ) -> m.PushReply:
-        """Decode a verified delta and hand it to the coordinator (`staged`: its payload file, to journal)."""
-        nbytes = len(payload)
-        delta = decode_push(payload, header, self.core.model.spec)
-        del payload
+        """Hand a verified, decoded delta to the coordinator (`staged`: its payload file, to journal)."""
         return self.core.admit(session, header, delta, nbytes, staged)
 
     # ---------------------------------------------------------------- split learning (ps/split/)
@@ -166,6 +189,7 @@ class ParameterServerLogic:
         """After the server stopped: wait for pushes still applying, apply the open round, snapshot, clean up."""
         self.core.finish(wait)
         self._decoders.shutdown(wait=True)
+        self.ingest.close()
         self.staging.close()
 
     @property

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from geofed_hpc import codec
+from geofed_hpc.codec.sparse import SparseTensor
 from geofed_hpc.errors import CodecError, ProtocolError
 from geofed_hpc.log import logger
 from geofed_hpc.paradigms.exchange import Params
@@ -62,12 +63,16 @@ class Staging:
             raise
         return path
 
-    def spool(self, arrays: Mapping[str, np.ndarray], order: Iterable[str]) -> Path:
-        """Write float32 arrays back to back, in `order`, to a new file (read back slice by slice)."""
+    def spool(self, arrays: Mapping[str, np.ndarray | SparseTensor], order: Iterable[str]) -> Path:
+        """Write float32 arrays back to back, in `order`, to a new file (read back slice by slice); a sparse
+        tensor is densified for its write alone."""
         path = self.new_path("spool")
         with open(path, "xb") as f:
             for name in order:
-                f.write(np.ascontiguousarray(arrays[name], dtype="<f4").reshape(-1).view(np.uint8).data)
+                v = arrays[name]
+                dense = v.dense() if isinstance(v, SparseTensor) else v
+                f.write(np.ascontiguousarray(dense, dtype="<f4").reshape(-1).view(np.uint8).data)
+                del dense
         return path
 
     def close(self) -> None:
@@ -93,11 +98,24 @@ def read_rows(fds: list[int], offset: int, out: np.ndarray) -> None:
 
 
 def decode_push(payload: bytes, header: m.PushHeader, expected: dict | None) -> Params:
-    """Decode a verified payload (`expected`: name -> (shape, dtype) it must hold); its bytes arrived intact, so
-    any fault is in what the site sent: ProtocolError."""
+    """Decode a verified payload (`expected`: name -> (shape, dtype) it must hold) to dense arrays; its bytes
+    arrived intact, so any fault is in what the site sent: ProtocolError."""
     try:
-        if codec.codec_name(payload) != header.codec:
-            raise ProtocolError(f"header says codec {header.codec!r}, payload is {codec.codec_name(payload)!r}")
+        _check_codec(payload, header)
         return codec.decode(payload, expected=expected)
     except CodecError as exc:
         raise ProtocolError(f"delta refused: {exc}") from None
+
+
+def decode_delta(payload: bytes, header: m.PushHeader, expected: dict) -> dict[str, np.ndarray | SparseTensor]:
+    """decode_push for a delta: a sparse one comes as SparseTensors (kept indices and values), never densified."""
+    try:
+        _check_codec(payload, header)
+        return codec.decode_sparse(payload, expected=expected)
+    except CodecError as exc:
+        raise ProtocolError(f"delta refused: {exc}") from None
+
+
+def _check_codec(payload: bytes, header: m.PushHeader) -> None:
+    if codec.codec_name(payload) != header.codec:
+        raise ProtocolError(f"header says codec {header.codec!r}, payload is {codec.codec_name(payload)!r}")

@@ -9,6 +9,7 @@ import grpc
 
 from geofed_hpc.config import PSConfig
 from geofed_hpc.errors import ConfigError
+from geofed_hpc.rpc.tls import check_key_pair
 
 # Clients ping every 30 s, below the 60-350 s idle timeouts of common NATs and firewalls; the server
 # accepts pings that often so it never answers with GOAWAY "too_many_pings".
@@ -68,7 +69,9 @@ def _read(path: str, field: str) -> bytes:
 
 def server_credentials(cfg: PSConfig) -> grpc.ServerCredentials:
     """TLS with the PS certificate; with ps.client_ca_file, mutual TLS: sites without a cert it signed are refused."""
-    pair = [(_read(cfg.key_file, "ps.key_file"), _read(cfg.cert_file, "ps.cert_file"))]
+    key, cert = _read(cfg.key_file, "ps.key_file"), _read(cfg.cert_file, "ps.cert_file")
+    check_key_pair(cert, key, str(Path(cfg.cert_file).expanduser()), str(Path(cfg.key_file).expanduser()))
+    pair = [(key, cert)]
     if not cfg.client_ca_file:
         return grpc.ssl_server_credentials(pair)
     client_ca = _read(cfg.client_ca_file, "ps.client_ca_file")

@@ -71,25 +71,31 @@ class PSClient:
         self.close()
 
     def connect(self, timeout: timedelta | None = None) -> None:
-        """Wait until the server answers, retrying with backoff; raise UnavailableError naming the address."""
+        """Wait until the server answers, retrying with backoff, never past `timeout` (ps.connect_timeout); raise
+        UnavailableError naming the address. Something that answers but not as configured (TLS against plaintext,
+        a CA that does not verify it, a client certificate it refuses) is named at once: retrying cannot help."""
         timeout = timeout or self.cfg.connect_timeout
         deadline = time.monotonic() + timeout.total_seconds()
-        wait, attempt = 0.5, 0
+        wait, attempt, why = 0.5, 0, None
         while True:
             attempt += 1
+            left = deadline - time.monotonic()
             try:
-                grpc.channel_ready_future(self._channel).result(timeout=min(wait * 4, 10.0))
+                grpc.channel_ready_future(self._channel).result(timeout=max(0.0, min(wait * 4, 10.0, left)))
                 return
             except grpc.FutureTimeoutError:
                 pass
+            if why is None:
+                why = self._diagnosis(timedelta(seconds=min(DIAGNOSE_TIMEOUT.total_seconds(), max(left, 0.5))))
+                if why and not why.startswith("TLS handshake with"):
+                    raise UnavailableError(f"{why} (no more connection attempts: retrying cannot fix this)")
             if time.monotonic() >= deadline:
-                raise UnavailableError(self._unreachable(timeout, attempt))
+                raise UnavailableError(self._unreachable(timeout, attempt, why))
             logger.info("parameter server %s not answering yet (attempt %d); retrying", self.address, attempt)
             time.sleep(min(wait, max(0.0, deadline - time.monotonic())))
             wait = min(wait * 2, 8.0)
 
-    def _unreachable(self, timeout: timedelta, attempts: int) -> str:
-        why = self._diagnosis()
+    def _unreachable(self, timeout: timedelta, attempts: int, why: str) -> str:
         if why:
             return f"{why} ({attempts} attempts in {timeout.total_seconds():g}s)"
         return (
@@ -98,10 +104,10 @@ class PSClient:
             f"to this host (firewall, proxy), that ps.address is right, and that ps.insecure matches the server"
         )
 
-    def _diagnosis(self) -> str:
+    def _diagnosis(self, timeout: timedelta = DIAGNOSE_TIMEOUT) -> str:
         """Why the handshake fails when something answers at the address (TLS against plaintext, a CA or client
         certificate the PS does not take), in one line naming the setting; '' when nothing answers or all is fine."""
-        why = diagnose(self.address, self.cfg, DIAGNOSE_TIMEOUT)
+        why = diagnose(self.address, self.cfg, timeout)
         return "" if why.startswith("nothing answers") else why
 
     def _call(self, name: str, fn: Callable[[], T], budget: timedelta | None = None) -> T:

@@ -40,11 +40,18 @@ OnRpc = Callable[[str, str, float], None]
 """Called once per finished RPC with (method, status code name, seconds); it must not raise."""
 
 
+# Status codes that mean the server crashed, never that the request was wrong: logged with the stack.
+CRASH_CODES = ("INTERNAL", "UNKNOWN")
+
+
 def _abort(context: grpc.ServicerContext, method: str, exc: BaseException) -> None:
-    if isinstance(exc, GeofedError):
+    if isinstance(exc, GeofedError) and exc.grpc_code not in CRASH_CODES:
         logger.warning("%s refused: %s", method, exc)
         context.abort(getattr(grpc.StatusCode, exc.grpc_code), str(exc))
-    logger.exception("%s failed with an unexpected error", method)
+    if isinstance(exc, GeofedError):  # one of ours, but no refusal of the request: a fault of this server
+        logger.error("%s failed: %s", method, exc, exc_info=exc)
+        context.abort(getattr(grpc.StatusCode, exc.grpc_code), str(exc))
+    logger.error("%s failed with an unexpected error", method, exc_info=exc)
     context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}")
 
 

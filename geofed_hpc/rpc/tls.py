@@ -188,6 +188,24 @@ def load_pair(cert_path: Path, key_path: Path) -> tuple[x509.Certificate, Key]:
     return cert, key
 
 
+def check_key_pair(cert_pem: bytes, key_pem: bytes, cert_file: str, key_file: str) -> None:
+    """The PS's TLS files before they are served: ConfigError naming them when either does not parse or the key is
+    not the certificate's (gRPC would only fail to bind, which reads like a port in use)."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as exc:
+        raise ConfigError(f"ps.cert_file: {cert_file} is not a PEM certificate ({exc})") from None
+    try:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"ps.key_file: {key_file} is not an unencrypted PEM private key ({exc})") from None
+    if key.public_key() != cert.public_key():
+        raise ConfigError(
+            f"ps.key_file: {key_file} is not the private key of ps.cert_file {cert_file}: give the pair `ps init` "
+            "wrote together (server.crt with server.key), or issue a new one with `ps init ps.tls_overwrite=true`"
+        )
+
+
 def _state(cert: Path, key: Path, what: str, overwrite: bool) -> str:
     """'missing', 'present' (keep it) or 'replace'; a half pair is an error unless overwriting."""
     have = cert.exists(), key.exists()

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 from geofed_hpc.config import PSConfig
 from geofed_hpc.errors import ProtocolError, StaleError
-from geofed_hpc.ps.aggregate import Params, staleness_discount
+from geofed_hpc.ps.aggregate import Delta, Params, staleness_discount
 from geofed_hpc.ps.rounds import OpenRound, Prepared, RoundTotals
 from geofed_hpc.rpc import messages as m
 
@@ -62,7 +62,7 @@ class Strategy(ABC):
         """The factor on a delta beside its weight: the staleness discount 1/sqrt(1+tau)."""
         return staleness_discount(staleness)
 
-    def prepare(self, delta: Params, session_id: str, steps: int, tokens: int) -> Prepared:
+    def prepare(self, delta: Delta, session_id: str, steps: int, tokens: int) -> Prepared:
         """Clip, normalise (and for robust rules spool) a decoded delta; no lock needed."""
         return self.round.prepare(delta, session_id, steps, tokens)
 

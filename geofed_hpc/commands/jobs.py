@@ -1,0 +1,257 @@
+"""`launch`, `site new`, `site check`, `status`, `cancel` and `logs`: site jobs from their config to their logs."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from geofed_hpc.commands.options import OPTIONS
+from geofed_hpc.config import RunConfig
+from geofed_hpc.config.files import GIVEN_DIRS, conf_dir, user_config_dir
+from geofed_hpc.errors import ConfigError
+from geofed_hpc.log import logger
+from geofed_hpc.paths import writable_dir
+
+
+def _checked(found: list[Any]) -> None:
+    """Preflight warnings as log lines; the first error ends the command (exit code 2, one line)."""
+    from geofed_hpc.commands.preflight import first_error
+
+    for f in found:
+        if f.level == "warning":
+            logger.warning("%s: %s", f.what, f.message)
+    error = first_error(found)
+    if error is not None:
+        raise error
+
+
+def cmd_launch(cfg: RunConfig) -> int:
+    if cfg.site.executor == "slurm":
+        return _launch_slurm(cfg)
+    from geofed_hpc.commands.preflight import first_error, preflight
+
+    run_dir = Path(cfg.run_dir).expanduser().resolve()
+    address = "" if cfg.site.embedded_ps else cfg.ps.dial_address()
+    if OPTIONS.dry_run:
+        print(f"site {cfg.site.name} runs {cfg.site.num_sites} processes here (submitit LocalExecutor): no sbatch file")
+        found = preflight(cfg, run_dir, address)
+        print("\n".join(f"# {f.line()}" for f in found))
+        error = first_error(found)
+        if error is not None:
+            raise error
+        return 0
+    from geofed_hpc.launch.local import check_local_device, launch_local
+    from geofed_hpc.paths import writable_dir
+
+    check_local_device(cfg)  # the sites run here: train.device=cuda without a GPU fails now, not in each job
+    run_dir = writable_dir(run_dir, "run_dir")
+    _checked(preflight(cfg, run_dir, address, probe=False))  # the PS is probed below, by connecting
+    from geofed_hpc.ps.app import ParameterServer
+    from geofed_hpc.rpc.client import PSClient
+
+    cfg = replace(cfg, run_dir=str(run_dir))
+    ps = None
+    if cfg.site.embedded_ps:
+        state_dir = str(writable_dir(cfg.ps.state_dir or run_dir / "ps", "ps.state_dir"))
+        ps = ParameterServer(replace(cfg, ps=replace(cfg.ps, state_dir=state_dir)))
+        address = ps.address
+        print(f"parameter server (embedded) on {address}, state in {state_dir}", flush=True)
+    else:
+        with PSClient(cfg.ps, address) as probe:
+            probe.connect()
+    try:
+        launch_local(cfg, address)
+    finally:
+        if ps is not None:
+            ps.stop()
+    print(f"run directory: {run_dir} (W&B offline runs under {run_dir / 'metrics' / 'wandb'})", flush=True)
+    return 0
+
+
+def _launch_slurm(cfg: RunConfig) -> int:
+    from geofed_hpc.commands.preflight import first_error, preflight
+    from geofed_hpc.config import to_dict
+    from geofed_hpc.launch.executor import (
+        check_slurm_site,
+        federation_summary,
+        job_folder,
+        sbatch_preview,
+        site_names,
+        site_run_dir,
+    )
+    from geofed_hpc.launch.manifest import record_jobs
+    from geofed_hpc.launch.slurm import require_slurm, submit_site
+    from geofed_hpc.paths import writable_dir
+
+    check_slurm_site(cfg)
+    run_dir = site_run_dir(cfg, strict=not OPTIONS.dry_run)
+    if not OPTIONS.dry_run:
+        require_slurm(cfg)  # sbatch and srun: before the slower checks
+        writable_dir(run_dir, "site.run_dir" if cfg.site.run_dir else "run_dir")
+    found = preflight(cfg, run_dir, cfg.ps.address)
+    if OPTIONS.dry_run:
+        print("\n".join(f"# {line}" for line in federation_summary(cfg, run_dir)))
+        print("# preflight (`geofed-hpc site check` runs it alone):")
+        print("\n".join(f"#   {f.line()}" for f in found))
+        for index, name in enumerate(site_names(cfg)):
+            print(f"# ---- {name}: {job_folder(run_dir, name) / '%j_submission.sh'} (not submitted)")
+            print(sbatch_preview(cfg, index, run_dir))
+        error = first_error(found)
+        if error is not None:
+            raise error
+        return 0
+    _checked(found)
+    records = submit_site(cfg, cfg.ps.address)
+    manifest = record_jobs(run_dir, cfg.federation, cfg.ps.address, cfg.site.name, to_dict(cfg), records)
+    for r in records:
+        print(f"submitted {r.site}: job {r.job_id}\n  stdout {r.stdout}\n  stderr {r.stderr}", flush=True)
+    print(f"run directory: {run_dir} (manifest {manifest.name}; checkpoints under sites/)")
+    site = f"site={cfg.site.name}"
+    print(f"next: geofed-hpc status {site} | geofed-hpc logs {site} --follow | geofed-hpc cancel {site}")
+    return 0
+
+
+def cmd_site_check(cfg: RunConfig) -> int:
+    """The launch preflight alone: one line per check; exit code 2 when one fails."""
+    from geofed_hpc.commands.preflight import first_error, preflight
+    from geofed_hpc.launch.executor import check_slurm_site, site_run_dir
+
+    if not OPTIONS.site_given:
+        raise ConfigError("site: say which site to check, e.g. `geofed-hpc site check site=osc ps.address=HOST:PORT`")
+    if cfg.site.executor == "slurm":
+        check_slurm_site(cfg)
+        run_dir = site_run_dir(cfg)
+        address = cfg.ps.address
+    else:
+        run_dir = Path(cfg.run_dir).expanduser().resolve()
+        address = "" if cfg.site.embedded_ps else cfg.ps.dial_address()
+    found = preflight(cfg, run_dir, address)
+    for f in found:
+        print(f.line(), flush=True)
+    error = first_error(found)
+    if error is not None:
+        raise error
+    print(f"site {cfg.site.name}: ready to launch")
+    return 0
+
+
+def cmd_site_new(cfg: RunConfig) -> int:
+    if len(OPTIONS.paths) != 1:
+        raise ConfigError("site new: give the new site's name: `geofed-hpc site new mycluster`")
+    path, source = new_site_file(OPTIONS.paths[0], OPTIONS.force)
+    name = path.stem
+    print(f"wrote {path} (from {source}); edit partition, account, gpus_per_node, setup and run_dir, then:")
+    print(f"  geofed-hpc site check site={name} ps=cloud ps.address=HOST:50051 ps.ca_file=PATH site.token=TOKEN")
+    print(f"  geofed-hpc launch site={name} ps=cloud ps.address=HOST:50051 ps.ca_file=PATH site.token=TOKEN --dry-run")
+    return 0
+
+
+def _launched_jobs(cfg: RunConfig, only_site: bool) -> tuple[Any, dict[str, Any]]:
+    """The run directory's launch manifest and its newest job per site (of cfg.site only if `only_site`)."""
+    from geofed_hpc.launch.executor import site_run_dir
+    from geofed_hpc.launch.manifest import load_manifest
+
+    run_dir = site_run_dir(cfg)
+    manifest = load_manifest(run_dir)
+    if manifest is None:
+        if only_site:
+            raise ConfigError(f"run_dir: nothing was launched into {run_dir} (no launch.json); check site=, run_dir=")
+        return None, {}
+    jobs = manifest.latest(cfg.site.name if only_site else None)
+    if only_site and not jobs:
+        launched = sorted({j.cluster_site for j in manifest.jobs})
+        raise ConfigError(f"site: no {cfg.site.name} jobs in {run_dir}; launched there: {', '.join(launched)}")
+    return manifest, jobs
+
+
+def cmd_status(cfg: RunConfig) -> int:
+    from geofed_hpc.rpc.client import PSClient
+
+    manifest, jobs = _launched_jobs(cfg, only_site=False)
+    if jobs:
+        from geofed_hpc.errors import LaunchError
+        from geofed_hpc.launch.jobs import jobs_table
+        from geofed_hpc.launch.slurm import job_states
+
+        try:
+            print(jobs_table(jobs, job_states([j.job_id for j in jobs.values()])))
+        except LaunchError as exc:  # not on the cluster: the PS's view still helps
+            print(f"site jobs {', '.join(jobs)}: state unknown: {exc}")
+        print()
+    address = cfg.ps.address or (manifest.ps_address if manifest else "")
+    if not address and not cfg.ps.port:
+        where = f"{manifest.run_dir}'s launch.json names none" if manifest else "no launch.json in run_dir names one"
+        raise ConfigError(
+            f"ps.address: say where the parameter server listens, e.g. `geofed-hpc status ps.address=vm:50051` "
+            f"({where})"
+        )
+    with PSClient(cfg.ps, address or None) as client:
+        client.connect()
+        st = client.status()
+
+    def ago(seconds: float) -> str:
+        return "-" if seconds < 0 else f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
+
+    def size(n: int) -> str:
+        return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+    mode = st.aggregation + (f"/{st.outer_optimizer}" if st.outer_optimizer else "")
+    mode += f"/{st.robust}" if st.robust not in ("", "none") else ""
+    snapshot = f"v{st.snapshot_version}" if st.snapshot_version >= 0 else "none"
+    print(
+        f"version {st.version}  initialized {st.initialized}  mode {mode}  params {st.num_params:,}  "
+        f"uptime {ago(st.uptime_s)}  sites {st.active_sites}/{len(st.sites)} active  pending deltas "
+        f"{st.pending_deltas}  pushes in flight {st.pushes_in_flight}  snapshot {snapshot}  "
+        f"updates kept {st.updates_kept}"
+    )
+    head = ("site", "state", "version", "pushes", "last push", "stale", "tokens", "received", "loss", "refused", "seen")
+    print(f"{head[0]:<16}{head[1]:<8}" + "".join(f"{h:>11}" for h in head[2:]))
+    for s in sorted(st.sites, key=lambda s: s.site):
+        cells = [s.version, s.pushes, ago(s.last_push_s), s.last_staleness, f"{s.tokens:,}", size(s.bytes_received)]
+        cells += [f"{s.last_train_loss:.4f}", s.refused, ago(s.last_seen_s)]
+        print(f"{s.site:<16}{s.state:<8}" + "".join(f"{c!s:>11}" for c in cells))
+    return 0
+
+
+def cmd_cancel(cfg: RunConfig) -> int:
+    from geofed_hpc.launch.slurm import cancel_jobs, job_states
+
+    _, jobs = _launched_jobs(cfg, only_site=True)
+    states = job_states([j.job_id for j in jobs.values()])
+    live = [j.job_id for j in jobs.values() if states[j.job_id].active]
+    cancel_jobs(live)
+    for name, job in jobs.items():
+        done = "cancelled (it checkpoints, then ends)" if job.job_id in live else f"already {states[job.job_id].state}"
+        print(f"{name}: job {job.job_id} {done}")
+    return 0
+
+
+def cmd_logs(cfg: RunConfig) -> int:
+    from geofed_hpc.launch.jobs import follow_logs, print_logs
+
+    _, jobs = _launched_jobs(cfg, only_site=True)
+    print_logs(jobs)
+    if OPTIONS.follow:
+        follow_logs(jobs)
+    return 0
+
+
+def new_site_file(name: str, force: bool = False) -> tuple[Path, Path]:
+    """Write site/`name`.yaml into the first --config-dir (else the user's folder): a copy of the shipped site of that
+    name, else of the template, with `name:` set. (its path, the file it came from); ConfigError when it exists
+    (unless `force`) or the name is not one."""
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
+        raise ConfigError(f"site new: {name!r} is not a site name (letters, digits, _ . -)")
+    folder = writable_dir((GIVEN_DIRS[0] if GIVEN_DIRS else user_config_dir()) / "site", "site new")
+    path = folder / f"{name}.yaml"
+    if path.exists() and not force:
+        raise ConfigError(f"site new: {path} exists; edit it, or pass --force to write it again")
+    shipped = conf_dir() / "site"
+    source = shipped / f"{name}.yaml" if (shipped / f"{name}.yaml").is_file() else shipped / "template.yaml"
+    text = re.sub(r"(?m)^name:[ \t]*\S*", f"name: {name}", source.read_text(), count=1)
+    header = f"# Site {name}: written by `geofed-hpc site new {name}` from {source.name}; check it with\n"
+    header += f"# `geofed-hpc site check site={name} ps.address=HOST:PORT` before `launch site={name}`.\n"
+    path.write_text(header + text)
+    return path, source

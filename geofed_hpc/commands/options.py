@@ -1,0 +1,24 @@
+"""The switches of one `geofed-hpc` invocation that only some commands read (cli.main sets them)."""
+
+from __future__ import annotations
+
+import argparse
+
+# Switches of this invocation that only some commands read (main sets them).
+OPTIONS = argparse.Namespace(
+    dry_run=False,
+    follow=False,
+    init_from="",
+    ttl="",
+    token_id="",
+    site_given=False,
+    paths=[],
+    dtype="fp32",
+    site="",
+    force=False,
+    prompt="",
+    max_new_tokens=50,
+    temperature=0.0,
+    seed=0,
+    model_given=False,
+)

@@ -1,0 +1,243 @@
+"""What `launch`, its --dry-run and `site check` check on the login node before anything waits in a queue."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Literal
+
+from geofed_hpc.ckpt import CheckpointStore, read_meta
+from geofed_hpc.config import RunConfig
+from geofed_hpc.config.fields import split_host_port
+from geofed_hpc.config.run import shape_difference
+from geofed_hpc.errors import ConfigError, GeofedError
+from geofed_hpc.launch.executor import site_names
+from geofed_hpc.paths import os_reason
+
+PROBE_TIMEOUT = timedelta(seconds=3)
+SLURM_TIMEOUT = timedelta(seconds=15)
+Level = Literal["ok", "warning", "error"]
+Runner = Callable[[Sequence[str]], "str | None"]
+
+
+@dataclass
+class Finding:
+    """One check's verdict: `what` it looked at (model, data, checkpoints, ps, slurm) and a line for the user."""
+
+    level: Level
+    what: str
+    message: str
+
+    def line(self) -> str:
+        return f"{self.level:<8} {self.what:<12} {self.message}"
+
+
+def run_command(args: Sequence[str]) -> str | None:
+    """stdout of a Slurm query, or None when the command is missing, fails or hangs."""
+    if shutil.which(args[0]) is None:
+        return None
+    try:
+        out = subprocess.run(
+            list(args), capture_output=True, text=True, timeout=SLURM_TIMEOUT.total_seconds(), check=False
+        )
+    except (subprocess.TimeoutExpired, OSError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def check_model(cfg: RunConfig) -> list[Finding]:
+    """model.init_from (its files and config.json) and the run's tokenizer against model.vocab_size."""
+    from geofed_hpc.data.tokenizer import run_tokenizer
+    from geofed_hpc.models.hfconfig import check_folder_config, checkpoint_files
+
+    found = []
+    model = cfg.model
+    try:
+        if model.init_from:
+            path = Path(model.init_from).expanduser()
+            files = checkpoint_files(path)
+            check_folder_config(model, path if path.is_dir() else path.parent)
+            start = f"starts from {path} ({len(files)} safetensors file{'s' if len(files) != 1 else ''})"
+        else:
+            start = f"starts from random weights (seed {cfg.train.seed})"
+        found.append(Finding("ok", "model", f"{model.name} ({model.arch}, paradigm {cfg.paradigm.name}) {start}"))
+    except ConfigError as exc:
+        found.append(Finding("error", "model", str(exc)))
+    try:
+        tok = run_tokenizer(cfg)
+        found.append(Finding("ok", "tokenizer", f"{tok.name} ({tok.vocab_size:,} ids)"))
+    except ConfigError as exc:
+        found.append(Finding("error", "tokenizer", str(exc)))
+    return found
+
+
+def check_data(cfg: RunConfig) -> list[Finding]:
+    """A prepared data.source against the sites: enough shards for site.shards, the run's tokenizer, the vocabulary."""
+    from geofed_hpc.data.shards import check_tokenizer, is_shard_dir, read_index
+    from geofed_hpc.data.tokenizer import run_tokenizer
+
+    source, site = cfg.data.source, cfg.site
+    if not is_shard_dir(source):
+        return [
+            Finding("ok", "data", f"{source}: each site job tokenizes its part (or `geofed-hpc data prepare` first)")
+        ]
+    folder = Path(source).expanduser()
+    try:
+        index = read_index(folder)
+        if len(index.train) < site.shards:
+            last = site.first_shard + site.num_sites - 1
+            raise ConfigError(
+                f"site.num_sites: sites {site.first_shard}..{last} of {site.shards} need {site.shards} train shards "
+                f"but {folder} holds {len(index.train)}; prepare it again with `geofed-hpc data prepare "
+                f"site.num_sites={site.shards} ...`, or launch fewer sites"
+            )
+        check_tokenizer(index, folder, run_tokenizer(cfg))
+        if index.vocab_size > cfg.model.vocab_size or index.max_id >= cfg.model.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size: is {cfg.model.vocab_size} but {folder} holds ids up to {index.max_id} "
+                f"(vocabulary {index.vocab_size}); use a model whose vocabulary covers the data's tokenizer"
+            )
+    except ConfigError as exc:
+        return [Finding("error", "data", str(exc))]
+    tokens = sum(s.tokens for s in index.train)
+    text = f"{folder}: {len(index.train)} train shards ({tokens:,} tokens) for {site.shards} shard slots"
+    if len(index.train) % site.shards:
+        return [Finding("warning", "data", f"{text}: sites get unequal amounts of data")]
+    return [Finding("ok", "data", text)]
+
+
+def check_checkpoints(cfg: RunConfig, run_dir: Path) -> list[Finding]:
+    """Each site's newest checkpoint in the run directory: the same model and paradigm, and not finished already."""
+    found = []
+    for name in site_names(cfg):
+        folder = run_dir / "sites" / name / "ckpt"
+        try:
+            files = CheckpointStore(folder, prefix="site").files()
+        except OSError as exc:
+            found.append(Finding("error", "checkpoints", f"run_dir: cannot read {folder}: {os_reason(exc)}"))
+            continue
+        if not files:
+            continue
+        path = files[-1][1]
+        try:
+            meta = read_meta(path)
+        except GeofedError as exc:
+            found.append(Finding("warning", "checkpoints", f"{exc}; the site tries an older one"))
+            continue
+        recorded = meta.get("model") if isinstance(meta.get("model"), dict) else None
+        diff = shape_difference(cfg, recorded)
+        syncs, limit = int(meta.get("syncs", 0)), cfg.train.max_syncs
+        if diff is not None:
+            key, theirs, ours = diff
+            message = (
+                f"{path} is of another model ({key}={theirs!r}, this run has {ours!r}): give the run's settings, or "
+                f"another run_dir to start afresh"
+            )
+            found.append(Finding("error", "checkpoints", message))
+        elif limit and syncs >= limit:
+            message = (
+                f"{name} finished already in {run_dir} ({syncs} syncs of train.max_syncs={limit}): raise "
+                f"train.max_syncs to train on, or give a new run_dir=... to start afresh"
+            )
+            found.append(Finding("error", "checkpoints", message))
+        else:
+            message = f"{name} resumes from {path.name} (version {meta.get('version', 0)}, {syncs} syncs)"
+            found.append(Finding("ok", "checkpoints", message))
+    return found or [Finding("ok", "checkpoints", f"none in {run_dir}: every site starts afresh")]
+
+
+def check_ps(cfg: RunConfig, address: str, probe: bool = True) -> list[Finding]:
+    """The PS address, the TLS files a site reads, its token, and (`probe`) whether the PS answers as configured."""
+    from geofed_hpc.rpc.tls import diagnose
+
+    ps, found = cfg.ps, []
+    if not address:
+        who = "Slurm site jobs" if cfg.site.executor == "slurm" else "site jobs"
+        return [Finding("error", "ps", f"ps.address: {who} dial the parameter server; set ps.address=host:port")]
+    try:
+        host, _ = split_host_port(address)
+    except ValueError as exc:
+        return [Finding("error", "ps", f"ps.address: {exc}; give the PS's host:port, e.g. ps.address=vm:50051")]
+    if not ps.insecure:
+        for key in ("ca_file", "client_cert_file", "client_key_file"):
+            value = getattr(ps, key)
+            if value and not Path(value).expanduser().is_file():
+                how = "copy the ca.crt that `geofed-hpc ps init` wrote on the PS" if key == "ca_file" else "copy it"
+                text = f"ps.{key}: {Path(value).expanduser()} does not exist here; {how} to a folder the compute nodes "
+                found.append(Finding("error", "tls", text + f"see and set ps.{key}=PATH"))
+        if not cfg.site.token:
+            text = f"site.token is empty: where the PS issues tokens, run `geofed-hpc token issue site={cfg.site.name}`"
+            found.append(Finding("warning", "token", text + " there and pass site.token=... here"))
+    if host in ("localhost", "127.0.0.1", "::1") and cfg.site.executor == "slurm":
+        text = f"ps.address {address} is the compute node itself for a Slurm job (fine on a one-node test cluster); "
+        found.append(Finding("warning", "ps", text + "give the PS's host name or IP address as compute nodes reach it"))
+    if any(f.level == "error" for f in found):
+        return found
+    if not probe:
+        return found + [Finding("ok", "ps", f"{address} (not probed)")]
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError:
+        return found + [Finding("warning", "ps", f"ps.address: host {host!r} does not resolve here; check its name")]
+    why = diagnose(address, ps, PROBE_TIMEOUT)
+    mode = "plaintext" if ps.insecure else "TLS, certificate verified"
+    if not why:
+        return found + [Finding("ok", "ps", f"{address} answers ({mode})")]
+    if why.startswith("nothing answers"):
+        why += "; the jobs retry for ps.connect_timeout when they start"
+    return found + [Finding("warning", "ps", why)]
+
+
+def check_slurm(cfg: RunConfig, run: Runner = run_command) -> list[Finding]:
+    """site.partition in `sinfo`'s list, site.account among the user's associations (`sacctmgr`, where present)."""
+    site, found = cfg.site, []
+    if shutil.which("sbatch") is None:
+        text = "sbatch is not on PATH here: `launch` needs it (run on the login node, or `module load slurm` first)"
+        found.append(Finding("warning", "slurm", text))
+    listed = run(["sinfo", "-h", "-o", "%P"])
+    if listed is None:
+        found.append(Finding("warning", "slurm", "sinfo does not answer here: site.partition is not checked"))
+    else:
+        partitions = sorted({p.strip().rstrip("*") for p in listed.split() if p.strip()})
+        if site.partition not in partitions:
+            message = f"site.partition: {site.partition!r} is not a partition here; sinfo lists {', '.join(partitions)}"
+            found.append(Finding("error", "slurm", message))
+        else:
+            found.append(Finding("ok", "slurm", f"partition {site.partition} exists"))
+    if site.account:
+        user = os.environ.get("USER") or os.environ.get("LOGNAME") or ""
+        assoc = run(["sacctmgr", "-n", "-P", "show", "assoc", f"user={user}", "format=account"]) if user else None
+        accounts = sorted({a.strip() for a in (assoc or "").split() if a.strip()})
+        if assoc is None or not accounts:
+            found.append(Finding("warning", "slurm", "sacctmgr does not answer here: site.account is not checked"))
+        elif site.account.lower() not in [a.lower() for a in accounts]:
+            message = f"site.account: {site.account!r} is not one of {user}'s accounts here: {', '.join(accounts)}"
+            found.append(Finding("error", "slurm", message))
+        else:
+            found.append(Finding("ok", "slurm", f"account {site.account} is one of {user}'s"))
+    return found
+
+
+def preflight(cfg: RunConfig, run_dir: Path, address: str, probe: bool = True) -> list[Finding]:
+    """Every check for this site config; the PS's only when the sites dial one (not an embedded PS)."""
+    found = check_model(cfg) + check_data(cfg) + check_checkpoints(cfg, run_dir)
+    if not cfg.site.embedded_ps:
+        found += check_ps(cfg, address, probe)
+    if cfg.site.executor == "slurm":
+        found += check_slurm(cfg)
+    return found
+
+
+def first_error(found: Sequence[Finding]) -> ConfigError | None:
+    """The first error as the ConfigError a command ends with (the others are shown as lines)."""
+    errors = [f for f in found if f.level == "error"]
+    if not errors:
+        return None
+    more = f" (and {len(errors) - 1} more: `geofed-hpc site check` lists them)" if len(errors) > 1 else ""
+    return ConfigError(errors[0].message + more)

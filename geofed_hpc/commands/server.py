@@ -1,0 +1,125 @@
+"""`ps up`, `ps init` and the `token` commands: the parameter server's side."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from geofed_hpc.commands.options import OPTIONS
+from geofed_hpc.config import RunConfig
+from geofed_hpc.errors import ConfigError
+from geofed_hpc.paths import writable_dir
+
+
+def cmd_ps_up(cfg: RunConfig) -> int:
+    from geofed_hpc.launch.progress import PSProgress
+    from geofed_hpc.ps.app import ParameterServer
+
+    def expand(path: str) -> str:
+        return str(Path(path).expanduser()) if path else ""
+
+    def writable(path: str, setting: str) -> str:
+        return str(writable_dir(path, setting)) if path else ""
+
+    init_from = OPTIONS.init_from or cfg.ps.init_from
+    state_dir, staging_dir = writable(cfg.ps.state_dir, "ps.state_dir"), writable(cfg.ps.staging_dir, "ps.staging_dir")
+    ps_cfg = replace(cfg.ps, state_dir=state_dir, staging_dir=staging_dir, init_from=expand(init_from))
+    server = ParameterServer(replace(cfg, ps=ps_cfg))
+    logic = server.logic
+    model = f"version {logic.version}" if logic.initialized else "no model yet (the first site uploads it)"
+    if logic.rounds.count:  # a round that was open when the PS stopped, replayed from its journal
+        n = logic.rounds.count
+        model += f", open round of {n} delta{'s' if n != 1 else ''} restored"
+    print(
+        f"parameter server on {cfg.ps.host}:{server.port} ({'plaintext' if cfg.ps.insecure else 'TLS'}, "
+        f"{cfg.ps.aggregation}, {model}); Ctrl-C or SIGTERM to stop",
+        flush=True,
+    )
+    table = None if cfg.verbosity < 0 else PSProgress(sys.stdout)  # --quiet: no line per version
+
+    def progress() -> None:
+        if table is not None:
+            table.poll(logic.applied_since(table.last), logic.global_val_loss())
+
+    if table is not None:
+        table.start(logic.version)
+    server.wait_for_signal(progress)  # SIGTERM: finish pushes in flight, apply the open round, write a snapshot
+    if table is not None:
+        progress()
+        table.flush()
+    where = f", snapshot of version {logic.snapshot_version} in {ps_cfg.state_dir}" if ps_cfg.state_dir else ""
+    print(f"parameter server stopped at version {logic.version}{where}", flush=True)
+    return 0
+
+
+def cmd_ps_init(cfg: RunConfig) -> int:
+    from geofed_hpc.rpc.tls import describe, init_pki, tls_files
+
+    files = tls_files(cfg.ps)
+    for setting, path in (
+        ("ps.ca_file", files.ca_cert),
+        ("ps.cert_file", files.server_cert),
+        ("ps.key_file", files.server_key),
+    ):
+        writable_dir(path.parent, setting)
+    result = init_pki(cfg.ps, cfg.federation)
+    f = result.files
+    for path in result.created:
+        print(f"wrote {path}")
+    for path in result.kept:
+        print(f"kept  {path} (exists)")
+    print(describe(f.server_cert))
+    print(
+        f"\nPS:    geofed-hpc ps up ps=cloud ps.cert_file={f.server_cert} ps.key_file={f.server_key}"
+        + (f" ps.client_ca_file={f.ca_cert}   # mutual TLS" if cfg.ps.tls_sites else "")
+    )
+    print(f"sites: copy {f.ca_cert} (public) to each site and pass ps.ca_file=<its path> ps.insecure=false")
+    for site in cfg.ps.tls_sites:
+        crt, key = f.site(site)
+        print(f"       {site}: also copy {crt} and {key} (secret), pass ps.client_cert_file=... ps.client_key_file=...")
+    print(f"keep {f.ca_key} secret: it signs certificates for this federation")
+    return 0
+
+
+def _token_file(cfg: RunConfig) -> Any:
+    from geofed_hpc.ps.tokens import TokenFile, tokens_path
+
+    path = tokens_path(cfg.ps.state_dir)
+    writable_dir(path.parent, "ps.state_dir")
+    return TokenFile(path)
+
+
+def cmd_token_issue(cfg: RunConfig) -> int:
+    from geofed_hpc.config import parse_duration
+
+    if not OPTIONS.site_given:
+        raise ConfigError("site: say which site the token admits, e.g. `geofed-hpc token issue site=osc`")
+    ttl = parse_duration(OPTIONS.ttl, "--ttl") if OPTIONS.ttl else cfg.ps.token_ttl
+    tokens = _token_file(cfg)
+    token, record = tokens.issue(cfg.site.name, ttl)
+    expires = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(record.expires)) if record.expires else "never"
+    print(f"token {record.id} for site {record.site} (expires {expires}); stored as a hash in {tokens.path}")
+    print("shown once; pass it to the site as site.token=... (keep it secret):")
+    print(token)
+    return 0
+
+
+def cmd_token_revoke(cfg: RunConfig) -> int:
+    if not OPTIONS.token_id and not OPTIONS.site_given:
+        raise ConfigError("token revoke: name a token id (`token revoke ID`) or a site (`token revoke site=osc`)")
+    site = "" if OPTIONS.token_id else cfg.site.name
+    for r in _token_file(cfg).revoke(site=site, token_id=OPTIONS.token_id):
+        print(f"revoked token {r.id} of site {r.site}; its sessions end at their next call")
+    return 0
+
+
+def cmd_token_list(cfg: RunConfig) -> int:
+    from geofed_hpc.ps.tokens import token_table
+
+    tokens = _token_file(cfg)
+    records = tokens.read()
+    print(token_table(records) if records else f"no tokens issued in {tokens.path}")
+    return 0

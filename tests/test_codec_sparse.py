@@ -1,0 +1,208 @@
+"""codec=sparse: top-k per chunk, kept values within a step, the residual holds exactly what was not sent."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from geofed_hpc import codec
+from geofed_hpc.codec import frames, sparse
+from geofed_hpc.codec.stream import _DATA, _END, piece_len
+from geofed_hpc.config import CodecConfig, PSConfig, RunConfig
+from geofed_hpc.errors import CodecError, ConfigError
+
+finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
+arrays = hnp.arrays(np.float32, hnp.array_shapes(min_dims=1, max_dims=2, min_side=1, max_side=300), elements=finite)
+# (chunk, density): the kept count chunk x density is whole; a tail chunk keeps ceil(its length x density)
+SHAPES = st.sampled_from([(64, 1 / 64), (64, 1 / 8), (128, 0.5), (256, 1 / 64), (4096, 1 / 64)])
+
+
+def kept_bound(kept: np.ndarray, bits: int) -> float:
+    """The quantization step of a chunk's kept values (half of it when rounding to one of several levels), plus
+    float32 rounding slack."""
+    mag = np.abs(kept.astype(np.float64))
+    levels = 1 << (bits - 1)
+    span = float(mag.max() - mag.min()) if mag.size else 0.0
+    step = span / (levels - 1) if levels > 1 else span
+    share = 0.5 if levels > 1 else 1.0
+    return share * step * (1 + 1e-6) + 4 * float(np.finfo(np.float32).eps) * float(mag.max(initial=0)) + 1e-44
+
+
+@settings(max_examples=150, deadline=None)
+@given(x=arrays, shape=SHAPES, bits=st.integers(1, 4))
+def test_top_k_per_chunk_within_a_step_and_the_residual_is_exactly_what_was_not_sent(
+    x: np.ndarray, shape: tuple[int, float], bits: int
+) -> None:
+    chunk, density = shape
+    cfg = CodecConfig(name="sparse", chunk=chunk, density=density, value_bits=bits)
+    residual: dict[str, np.ndarray] = {}
+    y = codec.decode(codec.encode({"t": x}, cfg, residual=residual))["t"]
+    np.testing.assert_array_equal(residual["t"], x - y)  # the residual: what decoding does not give back
+    flat, got, res = x.reshape(-1), y.reshape(-1), residual["t"].reshape(-1)
+    keep = round(chunk * density)
+    kept = codec.decode_sparse(codec.encode({"t": x}, cfg))["t"]
+    assert isinstance(kept, codec.SparseTensor)
+    sent = kept.indices
+    for start in range(0, flat.size, chunk):
+        stop = min(flat.size, start + chunk)
+        k = min(stop - start, math.ceil((stop - start) * keep / chunk))
+        mine = sent[(sent >= start) & (sent < stop)]
+        assert mine.size == k  # exactly k positions per chunk, strictly increasing
+        unsent = np.setdiff1d(np.arange(start, stop), mine)
+        np.testing.assert_array_equal(got[unsent], 0)  # nothing else is sent ...
+        np.testing.assert_array_equal(res[unsent], flat[unsent])  # ... so the residual holds those values whole
+        if unsent.size:  # the kept ones are the largest magnitudes
+            assert np.abs(flat[mine]).min() >= np.abs(flat[unsent]).max()
+        err = np.abs(got[mine].astype(np.float64) - flat[mine])
+        assert err.max(initial=0) <= kept_bound(flat[mine], bits)
+        assert np.all((got[mine] == 0) | (np.signbit(got[mine]) == np.signbit(flat[mine])))
+
+
+def drifting(n: int, seed: int = 0) -> list[np.ndarray]:
+    """Deltas with a fixed direction plus noise: what a codec that drops most values would lose every round."""
+    rng = np.random.default_rng(seed)
+    drift = rng.standard_normal(8192).astype(np.float32) * 0.01
+    return [(drift + 0.005 * rng.standard_normal(8192)).astype(np.float32) for _ in range(n)]
+
+
+@pytest.mark.parametrize("name", ["sparse", "int2"])
+def test_error_feedback_over_many_rounds_tracks_the_true_sum(name: str) -> None:
+    cfg = CodecConfig(name=name, chunk=1024, density=1 / 64, block_size=1024)
+    ef = codec.ErrorFeedback()
+    true_sum = np.zeros(8192, np.float64)
+    sent_sum = np.zeros(8192, np.float64)
+    plain_sum = np.zeros(8192, np.float64)
+    gaps, plain_gaps = [], []
+    for d in drifting(400):
+        true_sum += d
+        payload, residual = ef.encode({"w": d.copy()}, cfg)
+        ef.commit(residual)
+        sent_sum += codec.decode(payload)["w"]
+        plain_sum += codec.decode(codec.encode({"w": d}, cfg))["w"]
+        # nothing lost, nothing counted twice: what was sent plus what waits is the true sum
+        np.testing.assert_allclose(sent_sum + ef.residual.get("w", 0), true_sum, rtol=0, atol=1e-4)
+        gaps.append(float(np.abs(sent_sum - true_sum).max()))
+        plain_gaps.append(float(np.abs(plain_sum - true_sum).max()))
+    assert max(gaps[300:]) <= 1.2 * max(gaps[100:200])  # bounded: the gap stops growing
+    assert plain_gaps[-1] > 1.8 * plain_gaps[199] and plain_gaps[-1] > 10 * gaps[-1]  # without it: linear growth
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def crafted(content: bytes, n: int, chunk: int, keep: int, bits: int) -> bytes:
+    """A sparse payload framed by hand (codec/stream.py's layout) around `content`, one tensor `w` of n values."""
+    sid = b"sparse!!"
+    header = {
+        "codec": "sparse",
+        "block_size": chunk,
+        "piece": piece_len(chunk),
+        "tensors": [{"name": "w", "shape": [n]}],
+        "sparse": {"keep": keep, "bits": bits},
+    }
+    blob = zstandard.ZstdCompressor().compress(content)
+    out = [frames.pack(frames.HEADER, sid + json.dumps(header).encode())]
+    out.append(frames.pack(frames.DATA, _DATA.pack(sid, 0, 0, 0, 1) + blob))
+    out.append(frames.pack(frames.END, _END.pack(sid, 2, n)))
+    return b"".join(out)
+
+
+def content(gaps: list[list[int]], lo: float = 1.0, step: float = 0.5, bits: int = 2) -> bytes:
+    rows = len(gaps)
+    k = len(gaps[0])
+    g = np.array(gaps, np.uint16).reshape(-1)
+    sym = np.zeros(rows * k, np.uint8)
+    parts = [np.full(rows, lo, "<f4").tobytes(), np.full(rows, step, "<f4").tobytes()]
+    parts.append(sparse.pack_bits(sym, bits).tobytes())
+    parts.append((g & 0xFF).astype(np.uint8).tobytes() + (g >> 8).astype(np.uint8).tobytes())
+    return b"".join(parts)
+
+
+BAD_SPARSE = {
+    "out of range": (content([[3, 10, 60]]), "past its 64 values"),  # positions 3, 13, 73 in a 64-value chunk
+    "not increasing": (content([[3, 0, 5]]), "not strictly increasing"),
+    "negative scale": (content([[1, 2, 3]], lo=-1.0), "NaN, Inf or negative"),
+    "NaN step": (content([[1, 2, 3]], step=float("nan")), "NaN, Inf or negative"),
+    "short": (content([[1, 2, 3]])[:-1], "ends early"),
+    "long": (content([[1, 2, 3]]) + b"\0", "more than the"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_SPARSE.values(), ids=BAD_SPARSE.keys())
+def test_a_corrupt_sparse_piece_is_refused_by_name(case: tuple[bytes, str]) -> None:
+    body, message = case
+    with pytest.raises(CodecError, match=message):
+        codec.decode(crafted(body, 64, 64, 3, 2))
+    with pytest.raises(CodecError, match=message):
+        codec.decode_sparse(crafted(body, 64, 64, 3, 2))
+
+
+def test_the_crafted_payload_is_valid_when_its_positions_are() -> None:
+    got = codec.decode_sparse(crafted(content([[3, 10, 20]]), 64, 64, 3, 2))["w"]
+    assert isinstance(got, codec.SparseTensor)
+    np.testing.assert_array_equal(got.indices, [3, 13, 33])
+    np.testing.assert_array_equal(got.values, [1.0, 1.0, 1.0])
+
+
+@pytest.mark.parametrize(
+    "keep, bits, chunk, message",
+    [
+        (65, 2, 64, "sparse.keep must be 1..64"),  # a frame claiming more values than its chunk
+        (0, 2, 64, "sparse.keep must be 1..64"),
+        (3, 5, 64, "sparse.bits must be 1..4"),
+        (3, 0, 64, "sparse.bits must be 1..4"),
+        (3, 2, 1 << 17, "at most 65536 values"),
+    ],
+)
+def test_a_sparse_header_out_of_bounds_is_refused(keep: int, bits: int, chunk: int, message: str) -> None:
+    with pytest.raises(CodecError, match=message):
+        codec.decode(crafted(content([[1, 2, 3]]), 64, chunk, keep, bits))
+
+
+@pytest.mark.parametrize(
+    "fields, key",
+    [
+        ({"density": 0.01}, "codec.density"),  # 4096 x 0.01 = 40.96 values per chunk
+        ({"chunk": 100}, "codec.density"),  # 100 / 64
+        ({"density": 0.75}, "codec.density"),
+        ({"chunk": 32}, "codec.chunk"),
+        ({"value_bits": 5}, "codec.value_bits"),
+        ({"value_bits": 0}, "codec.value_bits"),
+    ],
+)
+def test_config_refuses_a_density_chunk_or_value_bits_that_do_not_fit(fields: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        CodecConfig(name="sparse", **fields)
+
+
+def test_config_refuses_a_downlink_density_that_does_not_divide_the_chunk() -> None:
+    with pytest.raises(ConfigError, match="ps.downlink_density"):
+        RunConfig(ps=PSConfig(downlink_codec="sparse", downlink_density=0.01))
+    assert RunConfig(ps=PSConfig(downlink_codec="sparse", downlink_density=1 / 16)).ps.downlink_density == 1 / 16
+
+
+def test_sparse_and_int2_are_far_smaller_than_int8() -> None:
+    rng = np.random.default_rng(0)
+    x = {"w": rng.standard_normal(1 << 16).astype(np.float32)}
+    bits = {n: 8 * len(codec.encode(x, CodecConfig(name=n))) / (1 << 16) for n in ("int8", "int4", "int2", "sparse")}
+    assert bits["sparse"] < 0.25 and bits["int2"] < 2.2 and bits["int4"] < 4.2 < 6 < bits["int8"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(min_size=0, max_size=200), n=st.integers(1, 300), keep=st.integers(1, 64), bits=st.integers(1, 4))
+def test_any_sparse_content_decodes_to_valid_positions_or_is_refused(data: bytes, n: int, keep: int, bits: int) -> None:
+    size = sparse.Layout.of(n, 64, keep, bits).size()
+    body = (data * (size // max(1, len(data)) + 1))[:size] if data else bytes(size)
+    try:
+        got = codec.decode_sparse(crafted(body, n, 64, keep, bits))["w"]
+    except CodecError as exc:
+        assert str(exc)
+        return
+    assert isinstance(got, codec.SparseTensor)
+    assert got.indices.size == 0 or (np.diff(got.indices) > 0).all() and 0 <= got.indices[0] and got.indices[-1] < n
+    assert np.isfinite(got.values).all()
