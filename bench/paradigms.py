@@ -1,14 +1,25 @@
 """Paradigm benchmark: bytes exchanged per round and eval loss after a fixed number of rounds, per paradigm.
 
     python bench/paradigms.py --json paradigms.json         # 2 sites, 5 rounds of 4 steps, a 3.3M GPT-2 shape
+    python bench/paradigms.py --only fsl_sage split --fsl server_update_interval=1   # fsl_sage's settings
 
 For each paradigm a local PS runs in this process and two sites run as their own processes (this script with
---site, exactly as a Slurm task runs ClientJob) on the same token shards, seeds and cadence. Bytes per round:
-what the sites pushed plus what they pulled, summed over both sites, averaged over the rounds after the first
-full download (the bootstrap: a fresh site always takes the whole model once). bytes_vs_full compares with
-the identity paradigm (pretraining) measured in the same run. Eval loss: site 0's validation loss of the model
-it holds after the last round. Expectations: lora under 2% of the full bytes, zo under 1 KB per step.
-Output: a list of {"paradigm", "bytes_per_round", "bytes_vs_full", "bytes_per_step", "eval_loss", ...}.
+--site, exactly as a Slurm task runs ClientJob) on the same token shards, seeds and cadence. The fine-tuning
+paradigms (identity as full fine-tuning, lora, hybrid_lora, ravan, zo) start from a pretrained model: identity
+trained --pretrain-rounds rounds on the shipped Bible's Old Testament, exported with `geofed-hpc export hf` and
+loaded as model.init_from (or --init-from a folder), and fine-tune on its New Testament; improvement_vs_full is a
+row's drop in validation loss over full fine-tuning's. fsl_sage and split train from a random init on the
+shipped text. Bytes per round: what the sites pushed plus what they pulled (split learning: with the activations
+up and the gradients or fitted auxiliary models down; its evaluations apart, in eval_bytes_per_round), summed
+over both sites, averaged over the rounds after the first full download (the bootstrap: a fresh site always takes
+the whole model once). bytes_vs_full compares with the identity row of the same run. Eval loss: site 0's
+validation loss of the model it holds after the last round (split learning: the composed model, the client part
+of the global phi and the server part). bytes_to_target (random starts only): all bytes both ways, bootstrap
+included, until that loss first reaches --target (fixed before any paradigm runs). Expectations: lora under 2%
+of the full bytes and at least 0.6 of full fine-tuning's drop, zo under 1 KB per step, fsl_sage at most half the
+bytes of split to the target.
+Output: a list of {"paradigm", "bytes_per_round", "bytes_up_per_round", "bytes_down_per_round", "bytes_vs_full",
+"bytes_per_step", "eval_loss", "val_losses", "bytes_to_target", "improvement_vs_full", "start", ...}.
 """
 
 from __future__ import annotations
@@ -25,8 +36,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-PARADIGMS = ("identity", "lora", "hybrid_lora", "ravan", "zo")
-LR = {"identity": 3e-3, "lora": 2e-2, "hybrid_lora": 3e-3, "ravan": 2e-2, "zo": 3e-3}
+PARADIGMS = ("identity", "lora", "hybrid_lora", "ravan", "zo", "fsl_sage", "split")
+FINE_TUNING = ("identity", "lora", "hybrid_lora", "ravan", "zo")  # from the pretrained model, on the second domain
+SPLIT = ("fsl_sage", "split")  # evaluated as the composed model: the client part of the global phi + the server part
+LR = {"identity": 3e-3, "lora": 2e-2, "hybrid_lora": 3e-3, "ravan": 2e-2, "zo": 3e-3, "fsl_sage": 3e-3, "split": 3e-3}
+OLD_BOOKS = 39  # the shipped Bible's books before the New Testament
+TARGET = 9.0  # the validation loss bytes_to_target counts to, fixed before any paradigm runs (--target)
 
 
 def site_main(cfg_file: str, index: str, address: str) -> None:
@@ -35,13 +50,16 @@ def site_main(cfg_file: str, index: str, address: str) -> None:
     ClientJob(json.loads(Path(cfg_file).read_text()), int(index), address)()
 
 
-def run_paradigm(name: str, work: Path, shards: Path, args: argparse.Namespace) -> dict[str, Any]:
+def run_paradigm(
+    name: str, work: Path, shards: Path, args: argparse.Namespace, start: Path | None = None, rounds: int = 0
+) -> dict[str, Any]:
+    """One row: `name` on `shards` from `start` (a Hugging Face folder, as model.init_from) or a random init."""
     from geofed_hpc.cli import compose_config
     from geofed_hpc.config import to_dict
-    from geofed_hpc.metrics import read_jsonl
     from geofed_hpc.ps.app import ParameterServer
 
-    folder = work / name
+    folder = work / (name if rounds == 0 else "pretrain")
+    rounds = rounds or args.rounds
     overrides = [
         f"paradigm={name}",
         "model=tiny",
@@ -51,13 +69,15 @@ def run_paradigm(name: str, work: Path, shards: Path, args: argparse.Namespace) 
         "wandb_mode=disabled",
         f"data.source={shards}",
         "data.val_batches=4",
-        f"train.max_syncs={args.rounds}",
+        f"train.max_syncs={rounds}",
         f"train.max_local_steps={args.steps}",
         "train.sync_interval=10m",
-        f"train.lr={LR[name]}",
+        f"train.lr={args.lr.get(name, LR[name])}",
         "ps.port=0",
         "ps.round_timeout=10m",
         f"ps.state_dir={folder / 'ps'}",
+        *(f"paradigm.{kv}" for kv in (args.fsl if name == "fsl_sage" else [])),
+        *([f"model.init_from={start}"] if start else []),
     ]
     cfg, _ = compose_config(overrides)
     ps = ParameterServer(cfg)
@@ -81,23 +101,89 @@ def run_paradigm(name: str, work: Path, shards: Path, args: argparse.Namespace) 
                 os.kill(p.pid, signal.SIGKILL)
                 p.wait(timeout=60)
         ps.stop()
-    per_round: list[int] = []
-    loss = float("nan")
-    for i in range(2):
-        rows = [r for r in read_jsonl(folder / "metrics" / f"local-{i}.metrics.jsonl") if "sync/bytes_received" in r]
-        later = rows[1:]  # the first round's pull follows the bootstrap download
-        per_round.append(sum(int(r["sync/bytes_sent"]) + int(r["sync/bytes_received"]) for r in later) // len(later))
-        if i == 0:
-            loss = float(rows[-1]["val/loss"])
-    total = sum(per_round)
-    return {
+    rows = [site_rows(folder, i) for i in range(2)]
+    later = [r[2:] for r in rows]  # row 0: the first evaluation; row 1: the first sync, after the bootstrap download
+    up = sum(sum(_up(r) for r in site) // len(site) for site in later)
+    down = sum(sum(_down(r) for r in site) // len(site) for site in later)
+    total = up + down
+    losses = [float(r.get("val/loss", float("nan"))) for r in rows[0]]
+    traffic = [sum(_up(r) + _down(r) for site in rows for r in site[1 : k + 1]) for k in range(len(rows[0]))]
+    # from a random start only: a fine-tuning row starts below any target a random start is measured against
+    reached = next((k for k, loss in enumerate(losses) if loss <= args.target), None) if start is None else None
+    out: dict[str, Any] = {
         "paradigm": name,
         "describe": cfg.paradigm.describe(),
         "bytes_per_round": total,
+        "bytes_up_per_round": up,
+        "bytes_down_per_round": down,
         "bytes_per_step": total / args.steps,
-        "eval_loss": round(loss, 4),
+        "eval_loss": round(losses[-1], 4),
+        "val_losses": [round(v, 4) for v in losses],
+        "target": args.target,
+        "bytes_to_target": traffic[reached] if reached is not None else None,
+        "rounds_to_target": reached,
+        "start": str(start) if start else "random",
         "seconds": round(time.time() - t0, 1),
     }
+    if name in SPLIT:  # the activations' share (the rest: the client part and auxiliary model through the PS)
+        out["act_bytes_per_round"] = sum(
+            sum(int(r.get("split/bytes_up", 0)) + int(r.get("split/bytes_down", 0)) for r in site) // len(site)
+            for site in later
+        )
+        out["eval_bytes_per_round"] = sum(
+            sum(int(r.get("split/eval_bytes", 0)) for r in site) // len(site) for site in later
+        )
+    return out
+
+
+def domains(work: Path) -> tuple[Path, Path, Path]:
+    """Token shards of the shipped text: all of it (split learning, from a random init), its Old Testament (the
+    pretraining) and its New Testament (the second domain the fine-tuning paradigms train on)."""
+    from geofed_hpc.config import DataConfig
+    from geofed_hpc.data.prepare import prepare_shards
+    from geofed_hpc.data.sources import bible_documents, bible_path
+
+    books = bible_documents(bible_path(), bible_path().read_text(encoding="utf-8"))
+    out = []
+    for name, part in (("shipped", None), ("old", books[:OLD_BOOKS]), ("new", books[OLD_BOOKS:])):
+        source = "bible"
+        if part is not None:
+            text = work / "text" / name
+            text.mkdir(parents=True, exist_ok=True)
+            for i, book in enumerate(part):
+                (text / f"{i:02d}.txt").write_text(book, encoding="utf-8")
+            source = str(text)
+        data = DataConfig(tokenizer="gpt2", source=source, max_tokens=200_000, cache_dir=str(work / "cache"))
+        prepare_shards(data, work / f"shards-{name}", 2)
+        out.append(work / f"shards-{name}")
+    return out[0], out[1], out[2]
+
+
+def pretrain(work: Path, shards: Path, args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
+    """A short identity pretraining, exported as a user would (`geofed-hpc export hf`): the fine-tuning start."""
+    row = run_paradigm("identity", work, shards, args, rounds=args.pretrain_rounds)
+    start = work / "pretrained"
+    cli = Path(sys.executable).with_name("geofed-hpc")
+    subprocess.run([str(cli), "export", "hf", str(work / "pretrain"), str(start), "--force"], check=True, cwd=ROOT)
+    return start, row
+
+
+def site_rows(folder: Path, index: int) -> list[dict[str, Any]]:
+    """A site's rows in sync order: the first evaluation (index 0), then one per sync."""
+    from geofed_hpc.metrics import read_jsonl
+
+    rows = [r for r in read_jsonl(folder / "metrics" / f"local-{index}.metrics.jsonl") if "sync/index" in r]
+    return sorted(rows, key=lambda r: int(r["sync/index"]))
+
+
+def _up(row: dict[str, Any]) -> int:
+    """Bytes a site sent in a sync: its push, and for split learning its activations and targets."""
+    return int(row.get("sync/bytes_sent", 0)) + int(row.get("split/bytes_up", 0))
+
+
+def _down(row: dict[str, Any]) -> int:
+    """Bytes a site received in a sync: its pull, and for split learning the gradients or fitted auxiliary model."""
+    return int(row.get("sync/bytes_received", 0)) + int(row.get("split/bytes_down", 0))
 
 
 def main() -> None:
@@ -106,41 +192,74 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=4, help="local steps per round (train.max_local_steps)")
     p.add_argument("--context", type=int, default=64)
+    p.add_argument(
+        "--target", type=float, default=TARGET, help="validation loss for bytes_to_target (default %(default)s)"
+    )
+    p.add_argument(
+        "--pretrain-rounds", type=int, default=15, help="identity rounds before fine-tuning (0: a random start)"
+    )
+    p.add_argument("--init-from", type=Path, default=None, help="the fine-tuning start (default: pretrain one)")
+    p.add_argument("--lr", nargs="*", default=[], metavar="PARADIGM=LR", help="learning rates other than LR's")
+    p.add_argument("--fsl", nargs="*", default=[], metavar="KEY=VALUE", help="fsl_sage's paradigm settings")
     p.add_argument("--only", nargs="*", default=list(PARADIGMS), choices=PARADIGMS)
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     p.add_argument("--site", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
+    args.lr = {k: float(v) for k, v in (kv.split("=", 1) for kv in args.lr)}
     if args.site:
         site_main(*args.site)
         return
 
-    from geofed_hpc.config import DataConfig
-    from geofed_hpc.data.prepare import prepare_shards
-
     work = args.work or Path(tempfile.mkdtemp(prefix="paradigms-"))
-    shards = work / "shards"
-    prepare_shards(
-        DataConfig(tokenizer="gpt2", source="bible", max_tokens=200_000, cache_dir=str(work / "cache")), shards, 2
-    )
+    shipped, old, new = domains(work)
+    start = args.init_from.resolve() if args.init_from else None
+    if start is None and any(n in FINE_TUNING for n in args.only) and args.pretrain_rounds > 0:
+        start, pre = pretrain(work, old, args)
+        print(f"pretrained: identity, {args.pretrain_rounds} rounds on the Old Testament, val loss {pre['eval_loss']}")
     names = ["identity", *[n for n in args.only if n != "identity"]]  # the baseline always runs
-    results = [run_paradigm(name, work, shards, args) for name in names]
+    results = [
+        run_paradigm(name, work, new, args, start)
+        if name in FINE_TUNING and start
+        else run_paradigm(name, work, shipped, args)
+        for name in names
+    ]
     full = results[0]["bytes_per_round"]
     for r in results:
         r["bytes_vs_full"] = round(r["bytes_per_round"] / full, 6)
+    if start:  # each fine-tuning row's drop in validation loss over full fine-tuning's
+        drop = results[0]["val_losses"][0] - results[0]["eval_loss"]
+        for r in results:
+            if r["paradigm"] in FINE_TUNING:
+                r["improvement_vs_full"] = round((r["val_losses"][0] - r["eval_loss"]) / drop, 4)
     args.json.write_text(json.dumps(results, indent=1))
-    print(f"{'paradigm':<13}{'bytes/round':>14}{'vs full':>10}{'bytes/step':>12}{'eval loss':>11}")
+    print(
+        f"{'paradigm':<13}{'bytes/round':>14}{'up':>13}{'down':>13}{'vs full':>10}{'bytes/step':>12}{'eval loss':>11}"
+        f"{'to target':>14}{'vs full drop':>14}"
+    )
     for r in results:
+        to_target = f"{r['bytes_to_target']:,}" if r["bytes_to_target"] is not None else "not reached"
+        to_target = "" if r["start"] != "random" else to_target
         print(
-            f"{r['paradigm']:<13}{r['bytes_per_round']:>14,}{r['bytes_vs_full']:>10.4%}"
-            f"{r['bytes_per_step']:>12,.0f}{r['eval_loss']:>11.4f}"
+            f"{r['paradigm']:<13}{r['bytes_per_round']:>14,}{r['bytes_up_per_round']:>13,}{r['bytes_down_per_round']:>13,}"
+            f"{r['bytes_vs_full']:>10.4%}{r['bytes_per_step']:>12,.0f}{r['eval_loss']:>11.4f}{to_target:>14}"
+            f"{r['improvement_vs_full'] if 'improvement_vs_full' in r else '':>14}"
         )
     lora = next((r for r in results if r["paradigm"] == "lora"), None)
     zo = next((r for r in results if r["paradigm"] == "zo"), None)
     if lora:
         print(f"lora: {lora['bytes_vs_full']:.3%} of the full bytes (target < 2%)")
+        if "improvement_vs_full" in lora:
+            print(f"lora: {lora['improvement_vs_full']:.3f} of full fine-tuning's loss drop (target >= 0.6)")
     if zo:
         print(f"zo: {zo['bytes_per_step']:.0f} bytes per step (target < 1024)")
-    print(f"{args.rounds} rounds x {args.steps} steps, 2 sites; wrote {args.json}")
+    fsl, split = (next((r for r in results if r["paradigm"] == n), None) for n in SPLIT)
+    if fsl and split and fsl["bytes_to_target"] and split["bytes_to_target"]:
+        ratio = fsl["bytes_to_target"] / split["bytes_to_target"]
+        print(f"fsl_sage: {ratio:.3f}x the bytes of split to val loss {args.target} (target <= 0.5x)")
+    elif fsl and split:
+        print(f"fsl_sage / split: val loss {args.target} not reached by both within the budget")
+    where = "fine-tuning from the pretrained model on the New Testament; " if start else ""
+    print(f"{args.rounds} rounds x {args.steps} steps, 2 sites; {where}wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ ACTIONS = ("kill", "enospc", "eio", "exit")
 #   ps.snapshot    ps/persist.py, right after a snapshot file was written, before the pushes are answered
 #   ps.journal     ps/journal.py, a delta of an open round is journaled, before its push is answered
 #   ps.stream      ps/servicer.py, a pull (StreamModel) arrived, before anything is sent (label: its min_version)
+#   split.snapshot ps/split/store.py, a snapshot of the split server part was written (label: why:n, why being
+#                  version, align or stop, n its number)
 #   rpc.push       rpc/client.py, a push's first chunk is on the wire and the rest is not
 #   site.step      client/trainer.py, rank 0 finished a local step (label: the site's lifetime step count)
 _SPEC = re.compile(r"^(?P<point>[a-z_.]+)(\[(?P<label>[^\]]*)\])?(@(?P<nth>\d+))?=(?P<action>[a-z]+)$")

@@ -97,7 +97,10 @@ def test_dataclasses_validate_directly() -> None:
     "overrides, message",
     [
         (["ps.aggregation=fast"], "ps.aggregation: must be one of sync, async, buffered; got 'fast'"),
-        (["paradigm.name=lorax"], "paradigm.name: must be one of identity, lora, hybrid_lora, ravan, zo; got 'lorax'"),
+        (
+            ["paradigm.name=lorax"],
+            "paradigm.name: must be one of identity, lora, hybrid_lora, ravan, zo, fsl_sage, split; got 'lorax'",
+        ),
         (["codec.adaptive_codecs=[int8,int3]"], "codec.adaptive_codecs: must be one of fp32, bf16, int16, int8, int4,"),
         (["site.nodes=0"], "site.nodes: must be at least 1, got 0"),
         (["site.num_sites=65"], "site.num_sites: must be in 1..64, got 65"),

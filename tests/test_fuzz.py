@@ -112,7 +112,7 @@ ident = {"request_serializer": lambda b: b, "response_deserializer": lambda b: b
 
 
 @FUZZ
-@given(name=st.sampled_from(["Join", "Heartbeat", "Status", "StreamModel"]), body=st.binary(max_size=2048))
+@given(name=st.sampled_from(["Join", "Heartbeat", "Status", "StreamModel", "FetchAux"]), body=st.binary(max_size=2048))
 def test_raw_garbage_unary_requests(target: Target, name: str, body: bytes) -> None:
     path = METHODS[name].path
     if METHODS[name].server_streaming:
@@ -299,8 +299,8 @@ def test_malformed_pushes(target: Target, defects: list[str], seed: int, chunk: 
 def test_after_the_fuzz_the_ps_is_alive_unchanged_and_takes_a_valid_push(
     target: Target, request: pytest.FixtureRequest
 ) -> None:
-    here = [item for item in request.session.items if item.module is request.module]
-    if len(here) == 7:  # the whole file ran (not a -k selection)
+    here = [item for item in request.session.items if item.module is request.module and "target" in item.fixturenames]
+    if len(here) == 7:  # every test of the fuzzed PS ran (not a -k selection)
         assert target.calls >= 2000, f"only {target.calls} malformed inputs were sent"
     assert target.client.health() == "SERVING"
     target.unchanged()
@@ -308,3 +308,97 @@ def test_after_the_fuzz_the_ps_is_alive_unchanged_and_takes_a_valid_push(
     assert target.client.push_delta(good, codec.encode(ones(target.params), FP32)).accepted
     assert target.server.logic.version == target.version + 1
     assert target.server.logic.model_hash() != target.hash
+
+
+# ---------------------------------------------------------------- split learning's RPCs, on a PS with a server part
+class SplitTarget:
+    """A fsl_sage PS with its server part (nothing uploaded yet) and a session of it."""
+
+    def __init__(self) -> None:
+        from tests.test_split import split_cfg
+
+        cfg = split_cfg()
+        cfg = replace(cfg, ps=replace(cfg.ps, max_message_bytes=LIMIT, max_delta_bytes=LIMIT, rpc_timeout="5s"))
+        self.server = ParameterServer(cfg)
+        assert self.server.split is not None
+        self.part = self.server.split
+        self.client = PSClient(cfg.ps, self.server.address)
+        self.client.connect()
+        self.session = self.client.join(m.JoinRequest("fuzz", paradigm=cfg.paradigm.describe())).session_id
+        self.digest = self.part.digest()
+        unlimited = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+        self.raw = grpc.insecure_channel(self.server.address, options=unlimited)
+        self.calls = 0
+
+    def unchanged(self) -> None:
+        self.calls += 1
+        assert self.part.digest() == self.digest
+        assert self.part.server.steps == 0 and self.part.server.alignments == 0 and not self.part.server.kept.items
+
+    def close(self) -> None:
+        self.raw.close()
+        self.client.close()
+        self.server.stop()
+
+
+@pytest.fixture(scope="module")
+def split_target() -> Iterator[SplitTarget]:
+    t = SplitTarget()
+    yield t
+    t.close()
+
+
+def test_split_bytes_that_do_not_parse_are_bad_input_named_not_a_crash(split_target: SplitTarget) -> None:
+    split = split_target.raw.stream_stream(METHODS["Split"].path, **ident)
+    with pytest.raises(grpc.RpcError) as err:
+        list(split(iter([b"\xff\xff\xff"]), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed Chunk message" in str(err.value.details())
+    fetch = split_target.raw.unary_stream(METHODS["FetchAux"].path, **ident)
+    with pytest.raises(grpc.RpcError) as err:
+        list(fetch(b"\xff\xff\xff", timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed AuxRequest message" in str(err.value.details())
+    split_target.unchanged()
+
+
+@FUZZ
+@given(
+    messages=st.lists(st.binary(max_size=4096), max_size=6),
+    body=st.binary(max_size=2048),
+)
+def test_raw_garbage_split_streams_and_aux_requests(
+    split_target: SplitTarget, messages: list[bytes], body: bytes
+) -> None:
+    split = split_target.raw.stream_stream(METHODS["Split"].path, **ident)
+    expect_refused(lambda: list(split(iter(messages), timeout=10)))
+    fetch = split_target.raw.unary_stream(METHODS["FetchAux"].path, **ident)
+    expect_refused(lambda: list(fetch(body, timeout=10)))
+    split_target.unchanged()
+
+
+@FUZZ
+@given(
+    session=st.one_of(text, st.just("valid")),
+    kind=st.one_of(text, st.sampled_from(["train", "eval", "gradient", "aux"])),
+    cut=ints,
+    shape=st.lists(ints, max_size=4),
+    codec_name=st.one_of(text, st.sampled_from(["bf16", "int8", "fp32"])),
+    acts_bytes=ints,
+    announce=ints,
+    seed=st.integers(0, 2**32 - 1),
+    version=ints,
+)
+def test_split_uploads_and_aux_requests_with_bad_fields(
+    split_target: SplitTarget, session: str, kind: str, cut: int, shape: list[int], codec_name: str,
+    acts_bytes: int, announce: int, seed: int, version: int,
+) -> None:  # fmt: skip
+    sid = split_target.session if session == "valid" else session
+    payload = np.random.default_rng(seed).bytes(seed % 5000)
+    header = m.SplitHeader(sid, kind, cut, shape, codec_name, announce, digest(payload), acts_bytes)
+    expect_refused(
+        lambda: list(split_target.client._calls["Split"](iter(to_chunks(header, payload, 4096)), timeout=10))
+    )
+    request = m.AuxRequest(sid, version, cut)
+    expect_refused(lambda: list(split_target.client._calls["FetchAux"](request, timeout=10)))
+    split_target.unchanged()

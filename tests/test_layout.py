@@ -47,7 +47,7 @@ ALLOWED = {
     "codec": set(),
     "models": set(),
     "data": set(),
-    "paradigms": set(),
+    "paradigms": {"models"},  # split learning cuts the model families' modules (paradigms/split.py)
     "ckpt": set(),
     "metrics": set(),
     "rpc": set(),
@@ -100,8 +100,19 @@ def test_production_code_never_imports_the_test_harness() -> None:
 
 
 def test_the_parameter_server_sees_only_the_numpy_side_of_a_paradigm() -> None:
-    seen = {b for a, targets in import_graph().items() if _room(a) == "ps" for b in targets if _room(b) == "paradigms"}
-    assert seen <= {"geofed_hpc.paradigms", "geofed_hpc.paradigms.exchange"}
+    """...except the split-learning server part (DESIGN §2: paradigms/ for its math, ps/split/ serves it)."""
+    graph = import_graph()
+    seen = {b for a, targets in graph.items() if _room(a) == "ps" for b in targets if _room(b) == "paradigms"}
+    assert seen <= {"geofed_hpc.paradigms", "geofed_hpc.paradigms.exchange", "geofed_hpc.paradigms.cutserver"}
+    math = "geofed_hpc.paradigms.cutserver"
+    users = {a for a, targets in graph.items() if math in targets and _room(a) == "ps"}
+    assert users == {"geofed_hpc.ps.split.service"}
+
+
+def test_a_ps_of_another_paradigm_never_loads_torch() -> None:
+    code = "import sys, geofed_hpc.ps.app, geofed_hpc.ps.servicer; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
 
 
 def test_no_module_imports_one_that_imports_it_back() -> None:

@@ -29,7 +29,8 @@ from tests.conftest import ps_config, small_params
 PS_METRICS = [n for n in METRIC_HELP if n.startswith("ps/")]
 # Metrics only a GPU site has: the CPU-only test federation below must not log them (no CUDA, nothing to measure).
 GPU_ONLY = ["sys/gpu_util", "sys/gpu_mem_gb"]
-SITE_METRICS = [n for n in METRIC_HELP if not n.startswith("ps/") and n not in GPU_ONLY]
+# Metrics of split learning (paradigm fsl_sage or split; tests/test_split.py checks them): not in this federation.
+SITE_METRICS = [n for n in METRIC_HELP if not n.startswith(("ps/", "split/")) and n not in GPU_ONLY]
 
 
 def free_port() -> int:

@@ -289,7 +289,7 @@ def test_a_crash_in_a_handler_is_logged_with_its_stack_and_answers_internal(
         def status(self, request: m.StatusRequest) -> m.StatusReply:
             raise self.exc
 
-        join = stream_model = push_delta = heartbeat = status
+        join = stream_model = push_delta = heartbeat = split = fetch_aux = status
 
     for exc in (RuntimeError("boom"), CheckpointError("snapshot unreadable")):
         warnings_log.clear()

@@ -14,6 +14,7 @@ from geofed_hpc.client.fsdp import load_streamed, shard_model
 from geofed_hpc.client.precision import Precision
 from geofed_hpc.client.ranks import SiteRanks
 from geofed_hpc.config import RunConfig
+from geofed_hpc.config.train import SPLIT_PARADIGMS
 from geofed_hpc.errors import ConfigError
 from geofed_hpc.log import logger
 from geofed_hpc.models import build_model, num_params
@@ -69,15 +70,17 @@ def build_site_model(
     """The site's model on `device`: sharded over the site's ranks when there are several. init=False: allocated,
     not initialised (a checkpoint is loaded next)."""
     sharded = ranks.world_size > 1
-    if sharded and paradigm.custom_step:
+    if sharded and (paradigm.custom_step or paradigm.one_process):
         raise ConfigError(f"paradigm={cfg.paradigm.name} runs one process per site: set site.tasks_per_node=1")
     meta = build_meta(cfg.model)
     paradigm.prepare(meta)  # adapters and frozen weights (on meta: shapes only), before the checks and sharding
     check_fits(cfg, meta, ranks, device)
     n_params = num_params(meta)
-    if cfg.paradigm.name in WITH_ADAPTERS:  # adapters are drawn as they are added: build the whole model first
-        model = build_model(cfg.model, seed=cfg.train.seed, init=init)
+    if cfg.paradigm.name in WITH_ADAPTERS + SPLIT_PARADIGMS:  # adapters (split: the auxiliary model) are drawn
+        model = build_model(cfg.model, seed=cfg.train.seed, init=init)  # as they are added: the whole model first
         paradigm.prepare(model)
+        model = paradigm.site_model(model)  # split learning: the client part
+        n_params = num_params(model)
         built = _wrap(cfg, model, device)
         built.model = shard_model(model, precision) if sharded else model.to(device)
         built.n_params, built.sharded = n_params, sharded

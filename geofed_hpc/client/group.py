@@ -135,6 +135,7 @@ class SiteGroup:
         if p is None:
             return self.stepper.step(x, y, count)
         p.set_phase(self.model, phase)
+        p.before_step(self.model, count)
         if p.custom_step:  # one process (build_runtime refuses more): the paradigm's own step, no optimizer
             return p.step(self.model, self.stepper.loss, x, y)
         return self.stepper.step(x, y, count)

@@ -53,6 +53,7 @@ class SiteRuntime:
         """Freshly initialised weights (for a model built uninitialised whose checkpoint then failed to load)."""
         model = build_model(self.cfg.model, seed=self.cfg.train.seed)
         self.paradigm.prepare(model)
+        model = self.paradigm.site_model(model)
         return {n: p.detach().numpy() for n, p in model.named_parameters()}
 
     def describe(self) -> dict[str, str | int]:

@@ -12,6 +12,7 @@ from geofed_hpc.client.group import SiteGroup
 from geofed_hpc.client.link import PSLink
 from geofed_hpc.client.progress import Interval, Progress
 from geofed_hpc.client.replica import PSBehind, Replica
+from geofed_hpc.client.split import SplitLink
 from geofed_hpc.client.telemetry import RttMeter, SyncTimer, gpu_metrics, rss_gb
 from geofed_hpc.client.uplink import Uplink, Work
 from geofed_hpc.config import RunConfig
@@ -61,9 +62,11 @@ class SiteSync:
         group: SiteGroup,
         paradigm: SiteParadigm,
         safe: SafePoints,
+        split: SplitLink | None = None,
     ) -> None:
         self.cfg, self.link, self.replica, self.uplink = cfg, link, replica, uplink
         self.group, self.paradigm, self.safe = group, paradigm, safe
+        self.split = split  # fsl_sage / split: the way to the server part
         self.name = replica.name
         self.timer = SyncTimer()
         self.rtt = RttMeter()
@@ -98,6 +101,8 @@ class SiteSync:
                 self.replica.base = {}
                 self.replica.pull(client, session, 0, timedelta(0), self.timer)
         self.uplink.new_base()  # work since this base is new work
+        if self.split is not None:
+            self.split.after_pull(self.replica.version)  # fsl_sage: the fitted auxiliary model, when aligned
 
     def exchange(self, steps: int, loss: float) -> Synced | None:
         """Push this interval's work and pull the version it makes. None: the PS stayed unreachable; the work is
@@ -202,6 +207,7 @@ class SiteSync:
             "site/contribution_total": progress.contribution_total,
             "sys/rss_gb": rss_gb(),
             **gpu_metrics(),
+            **(self.split.metrics() if self.split is not None else {}),
         }
 
     def report_first(self, val_loss: float) -> None:

@@ -21,6 +21,7 @@ from geofed_hpc.client.phase import Lifecycle, Phase, StopAction
 from geofed_hpc.client.progress import Interval, Progress
 from geofed_hpc.client.replica import Replica
 from geofed_hpc.client.runtime import build_runtime
+from geofed_hpc.client.split import SplitLink
 from geofed_hpc.client.sync import SiteSync
 from geofed_hpc.client.telemetry import SyncTimer
 from geofed_hpc.client.throttle import Throttle
@@ -30,6 +31,7 @@ from geofed_hpc.errors import GeofedError
 from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
 from geofed_hpc.metrics import Recorder
+from geofed_hpc.paradigms.site import SplitSite
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 
@@ -63,7 +65,11 @@ class SiteTrainer:
             cfg, self.name, self.events, self.progress, paradigm.additive, paradigm.error_feedback, self._record_push
         )
         replica = Replica(self.name, group, paradigm.exchange, private, self.events)
-        self.sync = SiteSync(cfg, link, replica, uplink, group, paradigm, safe=self)
+        split = None  # fsl_sage / split: the client part reaches the server part beside the PS through it
+        if isinstance(paradigm, SplitSite):
+            split = SplitLink(cfg, link, paradigm, self.events, lambda: replica.version)
+            paradigm.attach(self.runtime.model, split)
+        self.sync = SiteSync(cfg, link, replica, uplink, group, paradigm, safe=self, split=split)
         parts = SiteParts(group, self.runtime.sampler, paradigm, replica, uplink, link, self.progress, self.evaluation)
         self.ckpt = SiteCheckpoints(cfg, directory / "ckpt", parts, self.events.job_id)
         self.throttle = Throttle(cfg.train.slowdown)  # train.slowdown: an emulated slower site

@@ -14,7 +14,7 @@ from geofed_hpc.config.model import ModelConfig
 from geofed_hpc.config.ps import PSConfig
 from geofed_hpc.config.section import section, to_dict
 from geofed_hpc.config.site import SiteConfig
-from geofed_hpc.config.train import DEFAULT_TARGETS, DataConfig, ParadigmConfig, TrainConfig
+from geofed_hpc.config.train import DEFAULT_TARGETS, SPLIT_PARADIGMS, DataConfig, ParadigmConfig, TrainConfig
 
 
 @section("")
@@ -64,6 +64,23 @@ class RunConfig:
                 self.train.warmup_steps == 0,
                 "train.warmup_steps",
                 "paradigm=zo takes its own steps of paradigm.zo_lr, without AdamW: set train.warmup_steps=0",
+            )
+        if self.paradigm.name in SPLIT_PARADIGMS:
+            self._check_cut()
+
+    def _check_cut(self) -> None:
+        """fsl_sage / split: the cut, and the auxiliary model's blocks, lie inside the model."""
+        layers, cut = self.model.n_layers, self.paradigm.cut
+        check(
+            cut < layers,
+            "paradigm.cut",
+            f"{cut} leaves no block for the server part: model.n_layers={layers}, use 1..{max(1, layers - 1)}",
+        )
+        if self.paradigm.name == "fsl_sage":
+            check(
+                self.paradigm.aux_blocks <= layers - cut,
+                "paradigm.aux_blocks",
+                f"{self.paradigm.aux_blocks} is more than the server part's {layers - cut} blocks it starts from",
             )
 
     def model_tokenizer(self) -> str:

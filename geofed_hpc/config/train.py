@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, StrictBool, StrictFloat, StrictInt
 
-from geofed_hpc.config.fields import Duration, OneOrMany, check
+from geofed_hpc.config.fields import Duration, OneOrMany, check, choice
 from geofed_hpc.config.section import section
 from geofed_hpc.errors import ConfigError
 
@@ -161,8 +161,12 @@ class TrainConfig:
             )
 
 
-Paradigm = Literal["identity", "lora", "hybrid_lora", "ravan", "zo"]
+Paradigm = Literal["identity", "lora", "hybrid_lora", "ravan", "zo", "fsl_sage", "split"]
 PARADIGMS: tuple[str, ...] = typing.get_args(Paradigm)
+# Split learning: the model is cut after paradigm.cut blocks; the server part trains beside the PS.
+SPLIT_PARADIGMS = ("fsl_sage", "split")
+# Codecs of cut-layer activations and gradients on the wire.
+ACT_CODECS = ("fp32", "bf16", "int16", "int8")
 # The layers lora, hybrid_lora and ravan adapt when paradigm.targets is empty, per model.arch.
 DEFAULT_TARGETS: dict[str, list[str]] = {
     "gpt2": ["attn.qkv", "attn.proj"],
@@ -174,7 +178,9 @@ DEFAULT_TARGETS: dict[str, list[str]] = {
 class ParadigmConfig:
     """The reparametrization phi(theta) that sites train and exchange (Algorithm 1): identity (pretraining),
     lora (FedIT), hybrid_lora (base exchanged, private adapters), ravan (shared frozen A, B; heads H
-    exchanged), zo (zeroth-order: a seed from the PS, one scalar per step back)."""
+    exchanged), zo (zeroth-order: a seed from the PS, one scalar per step back), fsl_sage (federated split
+    learning: the client part and an auxiliary model exchanged, the server part beside the PS) and split (the
+    same without the auxiliary model: every step waits for the server's gradient)."""
 
     name: Paradigm = "identity"
     """What is trained and exchanged."""
@@ -198,6 +204,26 @@ class ParadigmConfig:
     """zo: perturbation size of the two forward passes."""
     zo_lr: Positive = 1e-4
     """zo: step size along each direction."""
+    cut: AtLeastOne = 1
+    """fsl_sage / split: sites hold the embeddings and the first `cut` blocks (the client part); the other blocks,
+    the final norm and the output layer (the server part) train beside the PS. 1 .. model.n_layers - 1."""
+    aux_blocks: AtLeastOne = 1
+    """fsl_sage: blocks of each site's auxiliary model, which estimates the server part's gradient at the cut; it
+    starts as a copy of the server part's first blocks, final norm and output layer."""
+    server_update_interval: AtLeastOne = 4
+    """fsl_sage: a site uploads its cut-layer activations (and targets) every this many local steps."""
+    align_interval: AtLeastOne = 2
+    """fsl_sage: every this many rounds (global versions) the server fits the auxiliary model to the true
+    cut-layer gradients of the activations it keeps (alignment)."""
+    act_codec: Annotated[str, choice(ACT_CODECS)] = "bf16"
+    """fsl_sage / split: the codec of cut-layer activations and gradients on the wire."""
+    server_lr: Positive = 3e-3
+    """fsl_sage / split, on the PS: AdamW learning rate of the server part and of alignment."""
+    align_steps: AtLeastOne = 8
+    """fsl_sage, on the PS: optimizer steps of one alignment."""
+    buffer_sequences: AtLeastOne = 512
+    """fsl_sage / split, on the PS: uploaded sequences the server keeps for alignment (the oldest go first); one
+    upload of more sequences is refused."""
 
     def __post_init__(self) -> None:
         check(self.base_steps + self.adapter_steps >= 1, "paradigm.base_steps", "base + adapter steps must be >= 1")
@@ -213,6 +239,13 @@ class ParadigmConfig:
             return f"ravan(heads={self.heads}, rank={self.rank}, alpha={self.alpha:g}, targets={targets})"
         if self.name == "zo":
             return f"zo(eps={self.zo_eps:g}, lr={self.zo_lr:g})"
+        if self.name == "fsl_sage":
+            return (
+                f"fsl_sage(cut={self.cut}, aux_blocks={self.aux_blocks}, server_update_interval="
+                f"{self.server_update_interval}, align_interval={self.align_interval}, act_codec={self.act_codec})"
+            )
+        if self.name == "split":
+            return f"split(cut={self.cut}, act_codec={self.act_codec})"
         return "identity"
 
     @classmethod
@@ -224,8 +257,10 @@ class ParadigmConfig:
             key, _, value = item.partition("=")
             if key == "targets":
                 fields[key] = [t for t in value.split("+") if t]
-            elif key in ("rank", "heads"):
+            elif key in ("rank", "heads", "cut", "aux_blocks", "server_update_interval", "align_interval"):
                 fields[key] = int(value)
+            elif key == "act_codec":
+                fields[key] = value
             elif key in ("alpha", "eps", "lr"):
                 fields[{"eps": "zo_eps", "lr": "zo_lr"}.get(key, key)] = float(value)
         try:

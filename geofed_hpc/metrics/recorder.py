@@ -59,6 +59,18 @@ METRIC_HELP: dict[str, str] = {
     "ps/global_val_loss": "validation loss of the global model, as evaluated by the sites that pulled it",
     "ps/pushes_total": "deltas applied since the PS started",
     "ps/bytes_received_total": "encoded delta bytes received since the PS started",
+    # split learning (fsl_sage, split): per site and sync, and the server part beside the PS
+    "split/bytes_up": "bytes of cut-layer activations and targets this site uploaded since the previous sync",
+    "split/bytes_down": "bytes of gradients and fitted auxiliary models this site received since the previous sync",
+    "split/eval_bytes": "bytes both ways of the composed model's evaluations since the previous sync",
+    "split/failed_uploads": "activation uploads skipped since the previous sync (the server part did not answer)",
+    "split/alignments": "alignments of the auxiliary model the server part made since it started (PS and sites)",
+    "split/server_loss": "the server part's mean loss on the uploaded activations (site: since its previous sync)",
+    "split/server_steps": "optimizer steps of the server part since the federation began",
+    "split/kept_sequences": "uploaded sequences the server part keeps for alignment",
+    "split/align_error": "relative error of the auxiliary model's gradient at the cut after the last alignment",
+    "split/bytes_received_total": "activation bytes the server part received since the PS started",
+    "split/bytes_sent_total": "gradient and auxiliary model bytes the server part sent since the PS started",
 }
 # String-valued entries (JSONL only): "resume/source" is local | global | fresh; at each start, "site/device"
 # (cpu, cuda:0), "site/gpu" (the GPU model or none) and "site/precision" (fp32, bf16 or fp16).

@@ -169,8 +169,24 @@ def dense_update(coefs: np.ndarray, seed: int, version: int, spec: Spec) -> Para
     return out
 
 
+class Split(Exchange):
+    """fsl_sage and split: the global model is what sites hold, the client part (embeddings, the first
+    paradigm.cut blocks) and for fsl_sage the auxiliary model (`aux.*`), all exchanged and averaged as in
+    pretraining; the server part lives beside the PS, never in the global model."""
+
+    name = "split"
+
+
 def exchange_for(cfg: ParadigmConfig, steps: int = 0, seed: int | None = None) -> Exchange:
     """The Exchange of `cfg.name` (`steps`: train.max_local_steps; `seed`: the PS's, default cfg.seed)."""
     if cfg.name == "zo":
         return ZerothOrder(cfg, steps, cfg.seed if seed is None else seed)
-    return {"identity": Exchange, "lora": LoRA, "hybrid_lora": HybridLoRA, "ravan": Ravan}[cfg.name](cfg, steps)
+    kinds: dict[str, type[Exchange]] = {
+        "identity": Exchange,
+        "lora": LoRA,
+        "hybrid_lora": HybridLoRA,
+        "ravan": Ravan,
+        "fsl_sage": Split,
+        "split": Split,
+    }
+    return kinds[cfg.name](cfg, steps)

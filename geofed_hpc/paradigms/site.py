@@ -23,6 +23,7 @@ from geofed_hpc.paradigms.exchange import (
     directions,
     exchange_for,
 )
+from geofed_hpc.paradigms.split import ClientPart, CutLink
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 STATE_PREFIX = "paradigm/"
@@ -34,12 +35,17 @@ class SiteParadigm:
     error_feedback = True  # the codec's residual rides on the next delta (the same tensors each round)
     additive = True  # two pushes from one base add up to their sum (the work after a confirmed one can follow it)
     custom_step = False  # True: `step` replaces the optimizer step (zo)
+    one_process = False  # True: the site runs one process (its step talks to the PS: split learning)
 
     def __init__(self, cfg: ParadigmConfig, exchange: Exchange) -> None:
         self.cfg, self.exchange = cfg, exchange
 
     def prepare(self, model: nn.Module) -> None:
         """Add the adapters and freeze what this paradigm never trains (before sharding and the optimizer)."""
+
+    def site_model(self, model: nn.Module) -> nn.Module:
+        """The module the site trains, made from the full model after `prepare` (split learning: its client part)."""
+        return model
 
     def trainable(self, model: nn.Module) -> list[nn.Parameter]:
         """Every parameter the optimizer steps in some phase."""
@@ -60,6 +66,9 @@ class SiteParadigm:
 
     def begin_round(self, version: int, seed: int, resumed_steps: int) -> None:
         """A round of local steps starts from global `version` (`resumed_steps` already taken before a requeue)."""
+
+    def before_step(self, model: nn.Module, count: int) -> None:
+        """Before the site's `count`-th local step (its lifetime count, 1-based), on every rank."""
 
     def step(self, model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> float:
         raise ConfigError(f"paradigm {self.cfg.name} trains with the optimizer, not a custom step")
@@ -183,6 +192,67 @@ class ZerothOrderSite(SiteParadigm):
             self.zo.seed = self.seed
 
 
+class SplitSite(SiteParadigm):
+    """fsl_sage and split: the site trains its client part (split.ClientPart) with AdamW. fsl_sage trains the
+    auxiliary model with it, uploads the activations of every paradigm.server_update_interval-th step, and takes
+    the auxiliary model the server fitted (`take_fitted`, after a pull at an alignment version) at the first step
+    of the round that starts from that version; split gets the server's gradient at every step. The fitted model
+    and whether it went in are checkpointed (`state`), so a requeue neither loses nor applies it twice."""
+
+    one_process = True
+
+    def __init__(self, cfg: ParadigmConfig, exchange: Exchange) -> None:
+        super().__init__(cfg, exchange)
+        self.estimate = cfg.name == "fsl_sage"
+        self.round_version = -1
+        self.fitted: Params = {}
+        self.fitted_version = -1  # the global version the fitted model is for (-1: none)
+        self.fitted_applied = False
+
+    def site_model(self, model: nn.Module) -> nn.Module:
+        return ClientPart(model, self.cfg)
+
+    def attach(self, model: nn.Module, link: CutLink) -> None:
+        """Give the client part its way to the server part (once the site's session exists)."""
+        assert isinstance(model, ClientPart)
+        model.link = link
+
+    def alignment_due(self, version: int) -> bool:
+        """After a pull of `version`: whether to take the server's fitted auxiliary model for it."""
+        due = self.estimate and version > 0 and version % self.cfg.align_interval == 0
+        return due and self.fitted_version != version
+
+    def take_fitted(self, arrays: Params, version: int) -> None:
+        self.fitted, self.fitted_version, self.fitted_applied = dict(arrays), version, False
+
+    def begin_round(self, version: int, seed: int, resumed_steps: int) -> None:
+        self.round_version = version
+        if self.fitted_version != version:
+            self.fitted, self.fitted_version, self.fitted_applied = {}, -1, False
+
+    @torch.no_grad()
+    def before_step(self, model: nn.Module, count: int) -> None:
+        if isinstance(model, ClientPart):
+            model.upload_due = self.estimate and count % self.cfg.server_update_interval == 0
+        if self.fitted and not self.fitted_applied and self.fitted_version == self.round_version:
+            params = dict(model.named_parameters())
+            for name, value in self.fitted.items():
+                if name in params:
+                    params[name].copy_(torch.from_numpy(np.asarray(value)).to(params[name].device))
+            self.fitted, self.fitted_applied = {}, True
+
+    def state(self) -> Params:
+        out = {STATE_PREFIX + "split.fitted/" + k: v for k, v in self.fitted.items()}
+        where = [self.fitted_version, int(self.fitted_applied)]
+        return {**out, STATE_PREFIX + "split.align": np.array(where, np.int64)}
+
+    def load_state(self, tensors: Mapping[str, np.ndarray]) -> None:
+        prefix = STATE_PREFIX + "split.fitted/"
+        self.fitted = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        where = tensors.get(STATE_PREFIX + "split.align")
+        self.fitted_version, self.fitted_applied = (int(where[0]), bool(where[1])) if where is not None else (-1, False)
+
+
 def site_paradigm(cfg: ParadigmConfig, steps: int, seed: int | None = None) -> SiteParadigm:
     """The site side of `cfg.name` (`steps`: train.max_local_steps; `seed`: the PS's, for zo)."""
     exchange = exchange_for(cfg, steps, seed)
@@ -192,5 +262,7 @@ def site_paradigm(cfg: ParadigmConfig, steps: int, seed: int | None = None) -> S
         "hybrid_lora": HybridLoRASite,
         "ravan": RavanSite,
         "zo": ZerothOrderSite,
+        "fsl_sage": SplitSite,
+        "split": SplitSite,
     }[cfg.name]
     return cls(cfg, exchange)

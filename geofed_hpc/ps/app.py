@@ -9,8 +9,10 @@ import threading
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from geofed_hpc.config import RunConfig, to_dict
+from geofed_hpc.config.train import SPLIT_PARADIGMS
 from geofed_hpc.log import logger
 from geofed_hpc.metrics.prometheus import PrometheusExporter
 from geofed_hpc.metrics.recorder import Recorder
@@ -18,6 +20,9 @@ from geofed_hpc.paradigms import exchange_for
 from geofed_hpc.ps.servicer import ParameterServerLogic
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.server import start_server
+
+if TYPE_CHECKING:
+    from geofed_hpc.ps.split.service import SplitService
 
 TICK = timedelta(milliseconds=500)
 MALLOC_ARENAS = 2
@@ -50,6 +55,17 @@ def run_settings(cfg: RunConfig) -> m.RunSettings:
     )
 
 
+def attach_split_part(cfg: RunConfig, logic: ParameterServerLogic) -> SplitService | None:
+    """fsl_sage / split: start the server part beside the PS and route the split RPCs to it (None: another
+    paradigm; torch is loaded only here)."""
+    if cfg.paradigm.name not in SPLIT_PARADIGMS:
+        return None
+    from geofed_hpc.ps.split.service import SplitService
+
+    logic.split_part = SplitService(cfg, logic.core.session_site, logic.core.global_tensors)
+    return logic.split_part
+
+
 class ParameterServer:
     """Start with the constructor, stop with `stop()`; `port` is the bound port (ps.port=0 picks one). Owns the
     gRPC server, the round ticker thread and the metrics outputs; `logic` (ParameterServerLogic) holds the state.
@@ -60,6 +76,11 @@ class ParameterServer:
         limit_malloc_arenas()
         exchange = exchange_for(cfg.paradigm, cfg.train.max_local_steps)
         self.logic = ParameterServerLogic(cfg.ps, run_settings(cfg), exchange=exchange, codec=cfg.codec)
+        try:
+            self.split = attach_split_part(cfg, self.logic)
+        except BaseException:
+            self.logic.staging.close()
+            raise
         self.exporter: PrometheusExporter | None = None
         self.recorder: Recorder | None = None
         self._logged: tuple[int, float] | None = None
@@ -110,6 +131,8 @@ class ParameterServer:
     def _record(self, force: bool = False) -> None:
         """Log the ps/* values when the version or the global validation loss changed (and feed Prometheus)."""
         values = self.logic.ps_metrics()
+        if self.split is not None:
+            values.update(self.split.metrics())
         if self.exporter is not None:
             self.exporter.observe("ps", values)
         key = (int(values["ps/version"]), float(values.get("ps/global_val_loss", -1.0)))
@@ -131,6 +154,11 @@ class ParameterServer:
             except Exception:  # noqa: BLE001 - a failed round is discarded, never fatal to the server
                 logger.exception("round ticker failed; the next tick retries")
             try:
+                if self.split is not None:
+                    self.split.tick(self.logic.version)
+            except Exception:  # noqa: BLE001 - a failed snapshot is retried at the next version
+                logger.exception("snapshot of the server part failed; the next version retries")
+            try:
                 self._record()
             except Exception:  # noqa: BLE001 - metrics never stop the server
                 logger.exception("recording PS metrics failed; the next tick retries")
@@ -147,6 +175,8 @@ class ParameterServer:
         self._stop.set()
         self._ticker.join(timeout=5)
         self.logic.finish()
+        if self.split is not None:
+            self.split.close()
         try:
             self._record()
         finally:

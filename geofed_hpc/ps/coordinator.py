@@ -409,3 +409,19 @@ class Coordinator:
         """sha256 over the global model's names and bytes (tests compare it before and after bad input)."""
         with self._cond:
             return self.model.hash()
+
+    # ---------------------------------------------------------------- for the split-learning server part (ps/split/)
+    def session_site(self, session_id: str) -> str:
+        """The site of a live session (AuthError when it is unknown, ended or revoked); it counts as seen."""
+        with self._cond:
+            return self.sessions.get(session_id).site
+
+    def global_tensors(self, names: list[str]) -> tuple[int, Params]:
+        """Copies of the named tensors of the global model, and its version (StaleError before it exists)."""
+        with self._cond:
+            if self.model.params is None:
+                raise StaleError("the global model is not initialized yet: push an init first")
+            missing = [n for n in names if n not in self.model.params]
+            if missing:
+                raise ProtocolError(f"the global model has no {missing[0]!r}: it is not of this paradigm's model")
+            return self.model.version, {n: self.model.params[n].copy() for n in names}

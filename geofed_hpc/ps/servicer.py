@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from geofed_hpc.config import CodecConfig, PSConfig
 from geofed_hpc.errors import GeofedError, MismatchError, ProtocolError, UnavailableError
@@ -24,6 +25,9 @@ from geofed_hpc.ps.staging import Staging, decode_delta, decode_push
 from geofed_hpc.ps.strategy import Strategy
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import first_header, to_chunks
+
+if TYPE_CHECKING:  # the server part imports torch: only a PS of a split paradigm loads it (ps/app.py)
+    from geofed_hpc.ps.split.service import SplitService
 
 
 class ParameterServerLogic:
@@ -62,6 +66,7 @@ class ParameterServerLogic:
         except BaseException:
             self.staging.close()
             raise
+        self.split_part: SplitService | None = None  # fsl_sage / split: the server part (ps/split/), attached
 
     # ---------------------------------------------------------------- RPCs
     def join(self, request: m.JoinRequest) -> m.JoinReply:
@@ -155,6 +160,21 @@ class ParameterServerLogic:
     ) -> m.PushReply:
         """Hand a verified, decoded delta to the coordinator (`staged`: its payload file, to journal)."""
         return self.core.admit(session, header, delta, nbytes, staged)
+
+    # ---------------------------------------------------------------- split learning (ps/split/)
+    def split(self, chunks: Iterable[m.Chunk]) -> Iterator[m.Chunk]:
+        return self._split_part().split(chunks)
+
+    def fetch_aux(self, request: m.AuxRequest) -> Iterator[m.Chunk]:
+        return self._split_part().fetch_aux(request)
+
+    def _split_part(self) -> SplitService:
+        if self.split_part is None:
+            raise MismatchError(
+                f"this parameter server runs paradigm {self.core.settings.paradigm}: it has no server part "
+                "(split learning needs paradigm=fsl_sage or paradigm=split on the PS and the sites)"
+            )
+        return self.split_part
 
     # ---------------------------------------------------------------- lifecycle and views (ps/app.py, `ps up`)
     def tick(self) -> None:

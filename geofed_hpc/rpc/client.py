@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import grpc
 
 from geofed_hpc.config import PSConfig
-from geofed_hpc.errors import GeofedError, UnavailableError, from_grpc_code
+from geofed_hpc.errors import GeofedError, ProtocolError, UnavailableError, from_grpc_code
 from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
 from geofed_hpc.rpc import messages as m
@@ -47,7 +47,9 @@ class PSClient:
         self.keep_retrying: Callable[[], bool] = lambda: True
         for meth in serde.METHODS:
             kind = (
-                self._channel.stream_unary
+                self._channel.stream_stream
+                if meth.client_streaming and meth.server_streaming
+                else self._channel.stream_unary
                 if meth.client_streaming
                 else self._channel.unary_stream
                 if meth.server_streaming
@@ -223,3 +225,34 @@ class PSClient:
                 yield chunk
 
         return self._call("PushDelta", push, budget)
+
+    def split(
+        self, header: m.SplitHeader, payload: bytes, budget: timedelta | None = None
+    ) -> tuple[m.SplitHeader, bytes]:
+        """Send cut-layer activations (and targets) to the server part; its answer: a header (loss, counts) and
+        the encoded gradient for kind "gradient" (else no bytes). Retried within `budget` like a push."""
+        header.total_bytes = len(payload)
+        header.sha256 = digest(payload)
+
+        def call() -> tuple[m.SplitHeader, bytes]:
+            stream = self._calls["Split"](to_chunks(header, payload, self.cfg.chunk_bytes), timeout=self._timeout())
+            return _split_answer(collect(stream, self.cfg.max_delta_bytes))
+
+        return self._call("Split", call, budget)
+
+    def fetch_aux(self, request: m.AuxRequest, budget: timedelta | None = None) -> tuple[m.SplitHeader, bytes]:
+        """The auxiliary model the server fitted at an alignment version: a header and its encoded tensors (no
+        bytes: the server keeps no activations yet, nothing was fitted)."""
+
+        def call() -> tuple[m.SplitHeader, bytes]:
+            stream = self._calls["FetchAux"](request, timeout=self._timeout())
+            return _split_answer(collect(stream, self.cfg.max_delta_bytes))
+
+        return self._call("FetchAux", call, budget)
+
+
+def _split_answer(answer: tuple[Any, bytes]) -> tuple[m.SplitHeader, bytes]:
+    header, payload = answer
+    if not isinstance(header, m.SplitHeader):
+        raise ProtocolError(f"the parameter server answered a split call with a {type(header).__name__}")
+    return header, payload

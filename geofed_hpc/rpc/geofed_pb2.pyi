@@ -110,15 +110,55 @@ class PushHeader(_message.Message):
     train_loss: float
     def __init__(self, session_id: _Optional[str] = ..., base_version: _Optional[int] = ..., local_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., codec: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ..., push_id: _Optional[str] = ..., init: _Optional[bool] = ..., train_loss: _Optional[float] = ...) -> None: ...
 
+class SplitHeader(_message.Message):
+    __slots__ = ("session_id", "kind", "cut", "shape", "codec", "total_bytes", "sha256", "acts_bytes", "version", "loss", "server_steps", "alignments")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    ACTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    ALIGNMENTS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    kind: str
+    cut: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    codec: str
+    total_bytes: int
+    sha256: bytes
+    acts_bytes: int
+    version: int
+    loss: float
+    server_steps: int
+    alignments: int
+    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[str] = ..., cut: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., total_bytes: _Optional[int] = ..., sha256: _Optional[bytes] = ..., acts_bytes: _Optional[int] = ..., version: _Optional[int] = ..., loss: _Optional[float] = ..., server_steps: _Optional[int] = ..., alignments: _Optional[int] = ...) -> None: ...
+
+class AuxRequest(_message.Message):
+    __slots__ = ("session_id", "version", "cut")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    version: int
+    cut: int
+    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[int] = ..., cut: _Optional[int] = ...) -> None: ...
+
 class Chunk(_message.Message):
-    __slots__ = ("model", "push", "data")
+    __slots__ = ("model", "push", "split", "data")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     model: ModelHeader
     push: PushHeader
+    split: SplitHeader
     data: bytes
-    def __init__(self, model: _Optional[_Union[ModelHeader, _Mapping]] = ..., push: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, model: _Optional[_Union[ModelHeader, _Mapping]] = ..., push: _Optional[_Union[PushHeader, _Mapping]] = ..., split: _Optional[_Union[SplitHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("accepted", "version", "reason", "staleness", "duplicate")

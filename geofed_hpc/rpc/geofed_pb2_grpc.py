@@ -59,6 +59,16 @@ class ParameterServerStub:
                 request_serializer=geofed__hpc_dot_rpc_dot_geofed__pb2.StatusRequest.SerializeToString,
                 response_deserializer=geofed__hpc_dot_rpc_dot_geofed__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Split = channel.stream_stream(
+                '/geofed.v1.ParameterServer/Split',
+                request_serializer=geofed__hpc_dot_rpc_dot_geofed__pb2.Chunk.SerializeToString,
+                response_deserializer=geofed__hpc_dot_rpc_dot_geofed__pb2.Chunk.FromString,
+                _registered_method=True)
+        self.FetchAux = channel.unary_stream(
+                '/geofed.v1.ParameterServer/FetchAux',
+                request_serializer=geofed__hpc_dot_rpc_dot_geofed__pb2.AuxRequest.SerializeToString,
+                response_deserializer=geofed__hpc_dot_rpc_dot_geofed__pb2.Chunk.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -99,6 +109,22 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Split(self, request_iterator, context):
+        """Split learning (paradigm fsl_sage or split): chunks of a site's cut-layer activations and targets (the first
+        carries a SplitHeader) go up; the server part beside the PS trains on them (or evaluates them) and streams
+        back its loss and, for kind "gradient", the gradient at the cut.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchAux(self, request, context):
+        """fsl_sage: the auxiliary model the server fitted to its true cut-layer gradients (alignment), streamed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +152,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=geofed__hpc_dot_rpc_dot_geofed__pb2.StatusRequest.FromString,
                     response_serializer=geofed__hpc_dot_rpc_dot_geofed__pb2.StatusReply.SerializeToString,
+            ),
+            'Split': grpc.stream_stream_rpc_method_handler(
+                    servicer.Split,
+                    request_deserializer=geofed__hpc_dot_rpc_dot_geofed__pb2.Chunk.FromString,
+                    response_serializer=geofed__hpc_dot_rpc_dot_geofed__pb2.Chunk.SerializeToString,
+            ),
+            'FetchAux': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchAux,
+                    request_deserializer=geofed__hpc_dot_rpc_dot_geofed__pb2.AuxRequest.FromString,
+                    response_serializer=geofed__hpc_dot_rpc_dot_geofed__pb2.Chunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +299,60 @@ class ParameterServer:
             '/geofed.v1.ParameterServer/Status',
             geofed__hpc_dot_rpc_dot_geofed__pb2.StatusRequest.SerializeToString,
             geofed__hpc_dot_rpc_dot_geofed__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Split(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/geofed.v1.ParameterServer/Split',
+            geofed__hpc_dot_rpc_dot_geofed__pb2.Chunk.SerializeToString,
+            geofed__hpc_dot_rpc_dot_geofed__pb2.Chunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchAux(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/geofed.v1.ParameterServer/FetchAux',
+            geofed__hpc_dot_rpc_dot_geofed__pb2.AuxRequest.SerializeToString,
+            geofed__hpc_dot_rpc_dot_geofed__pb2.Chunk.FromString,
             options,
             channel_credentials,
             insecure,

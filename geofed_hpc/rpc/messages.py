@@ -70,12 +70,38 @@ class PushHeader:
 
 
 @dataclass
+class SplitHeader:
+    """Split learning's activations up, or the server part's answer down (geofed.proto says each field)."""
+
+    session_id: str
+    kind: str
+    cut: int = 0
+    shape: list[int] = field(default_factory=list)
+    codec: str = ""
+    total_bytes: int = 0
+    sha256: bytes = b""
+    acts_bytes: int = 0
+    version: int = 0
+    loss: float = 0.0
+    server_steps: int = 0
+    alignments: int = 0
+
+
+@dataclass
+class AuxRequest:
+    session_id: str
+    version: int = 0
+    cut: int = 0
+
+
+@dataclass
 class Chunk:
     """One streamed piece; the first of a stream carries exactly one header."""
 
     data: bytes = b""
     model: ModelHeader | None = None
     push: PushHeader | None = None
+    split: SplitHeader | None = None
 
 
 @dataclass

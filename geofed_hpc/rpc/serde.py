@@ -111,6 +111,8 @@ METHODS: tuple[Method, ...] = (
     Method("PushDelta", m.Chunk, m.PushReply, client_streaming=True),
     Method("Heartbeat", m.HeartbeatRequest, m.HeartbeatReply),
     Method("Status", m.StatusRequest, m.StatusReply),
+    Method("Split", m.Chunk, m.Chunk, client_streaming=True, server_streaming=True),
+    Method("FetchAux", m.AuxRequest, m.Chunk, server_streaming=True),
 )
 
 

@@ -28,6 +28,8 @@ class Handler(Protocol):
     def push_delta(self, chunks: Iterator[m.Chunk]) -> m.PushReply: ...
     def heartbeat(self, request: m.HeartbeatRequest) -> m.HeartbeatReply: ...
     def status(self, request: m.StatusRequest) -> m.StatusReply: ...
+    def split(self, chunks: Iterator[m.Chunk]) -> Iterator[m.Chunk]: ...
+    def fetch_aux(self, request: m.AuxRequest) -> Iterator[m.Chunk]: ...
 
 
 def snake(name: str) -> str:
@@ -138,6 +140,28 @@ def _client_stream(
     return call
 
 
+def _bidi_stream(
+    method: str, fn: Callable[[Iterator[Any]], Iterator[Any]], parse: Parse, on_rpc: OnRpc | None
+) -> Callable[..., Iterator[Any]]:
+    def call(request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
+        obs = _Observed(method, on_rpc)
+        try:
+            yield from fn(parse(raw) for raw in request_iterator)
+        except grpc.RpcError as exc:  # the client went away mid-stream
+            obs.failed(exc)
+            _abort(context, method, UnavailableError(f"stream broken by the client: {exc}"))
+        except Exception as exc:  # noqa: BLE001
+            obs.failed(exc)
+            _abort(context, method, exc)
+        except BaseException as exc:  # GeneratorExit: the client cancelled the stream
+            obs.failed(exc)
+            raise
+        finally:
+            obs.done()
+
+    return call
+
+
 def generic_handler(handler: Handler, on_rpc: OnRpc | None = None) -> grpc.GenericRpcHandler:
     """Route every geofed.v1 method to `handler`, (de)serialising through rpc.serde; `on_rpc` sees each call.
 
@@ -147,7 +171,10 @@ def generic_handler(handler: Handler, on_rpc: OnRpc | None = None) -> grpc.Gener
     for meth in serde.METHODS:
         fn = getattr(handler, snake(meth.name))
         parse, ser = serde.deserializer(meth.request), serde.serializer(meth.reply)
-        if meth.client_streaming:
+        if meth.client_streaming and meth.server_streaming:
+            call = _bidi_stream(meth.name, fn, parse, on_rpc)
+            table[meth.name] = grpc.stream_stream_rpc_method_handler(call, None, ser)
+        elif meth.client_streaming:
             call = _client_stream(meth.name, fn, parse, on_rpc)
             table[meth.name] = grpc.stream_unary_rpc_method_handler(call, None, ser)
         elif meth.server_streaming:

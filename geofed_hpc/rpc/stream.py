@@ -6,9 +6,9 @@ import hashlib
 from collections.abc import Callable, Iterable, Iterator
 
 from geofed_hpc.errors import CodecError, ProtocolError
-from geofed_hpc.rpc.messages import Chunk, ModelHeader, PushHeader
+from geofed_hpc.rpc.messages import Chunk, ModelHeader, PushHeader, SplitHeader
 
-Header = ModelHeader | PushHeader
+Header = ModelHeader | PushHeader | SplitHeader
 
 
 def digest(payload: bytes) -> bytes:
@@ -22,6 +22,8 @@ def to_chunks(header: Header, payload: bytes, chunk_bytes: int) -> Iterator[Chun
     first = view[:chunk_bytes].tobytes()
     if isinstance(header, ModelHeader):
         yield Chunk(data=first, model=header)
+    elif isinstance(header, SplitHeader):
+        yield Chunk(data=first, split=header)
     else:
         yield Chunk(data=first, push=header)
     for start in range(chunk_bytes, len(payload), chunk_bytes):
@@ -33,7 +35,7 @@ def first_header(chunks: Iterator[Chunk], max_bytes: int) -> tuple[Header, Chunk
     first = next(chunks, None)
     if first is None:
         raise ProtocolError("empty stream: no header chunk arrived")
-    header = first.model or first.push
+    header = first.model or first.push or first.split
     if header is None:
         raise ProtocolError("stream does not start with a header chunk")
     if header.total_bytes < 0 or header.total_bytes > max_bytes:
@@ -48,7 +50,7 @@ def drain(header: Header, first: Chunk, rest: Iterable[Chunk], sink: Callable[[b
     hasher = hashlib.sha256()
     received = 0
     for i, chunk in enumerate(_chain(first, rest)):
-        if i > 0 and (chunk.model is not None or chunk.push is not None):
+        if i > 0 and (chunk.model is not None or chunk.push is not None or chunk.split is not None):
             raise ProtocolError(f"chunk {i} carries a second header")
         received += len(chunk.data)
         if received > header.total_bytes:
