@@ -38,7 +38,7 @@ from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 from geofed_hpc.rpc.stream import digest, to_chunks
 from tests.conftest import ps_config
-from tests.site_procs import Site
+from tests.site_procs import Site, whole_rounds
 
 MODEL = ModelConfig(name="t", vocab_size=50257, context=32, d_model=32, n_layers=2, n_heads=2, d_ff=64)
 PARADIGMS: dict[str, dict[str, Any]] = {
@@ -61,17 +61,19 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def run_config(folder: Path, shards: Path, paradigm: str, max_syncs: int = 3, **extra: Any) -> RunConfig:
+def run_config(
+    folder: Path, shards: Path, paradigm: str, max_syncs: int = 3, round_timeout: str = "60s", **extra: Any
+) -> RunConfig:
     return RunConfig(
         federation="p",
         run_dir=str(folder / "run"),
         wandb_mode="disabled",
         site=SiteConfig(num_sites=2),
         model=MODEL,
-        ps=ps_config(state_dir=str(folder / "ps"), round_timeout="60s"),
+        ps=ps_config(state_dir=str(folder / "ps"), round_timeout=round_timeout),
         codec=CodecConfig(name="fp32"),
         data=DataConfig(source=str(shards), val_batches=2),
-        train=TrainConfig(batch_size=4, lr=LR[paradigm], sync_interval="60s", max_local_steps=3, max_syncs=max_syncs),
+        train=TrainConfig(batch_size=4, lr=LR[paradigm], sync_interval="10m", max_local_steps=3, max_syncs=max_syncs),
         paradigm=ParadigmConfig(name=paradigm, **{**PARADIGMS[paradigm], **extra}),
     )
 
@@ -106,10 +108,13 @@ def model_names(paradigm: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("paradigm", list(PARADIGMS))
 def test_two_sites_lower_the_loss_and_only_phi_travels(tmp_path: Path, shards: Path, paradigm: str) -> None:
-    cfg = run_config(tmp_path, shards, paradigm)
+    # Rounds of both sites, whatever the machine's speed: pushes wait until both joined, and a round closes on its
+    # last push, never on a timeout (10 min, past the sites' own 5 min limit); each site trains max_local_steps.
+    cfg = run_config(tmp_path, shards, paradigm, round_timeout="10m")
     ps = ParameterServer(cfg)
     try:
-        run_sites(cfg, tmp_path, ps)
+        with whole_rounds(ps.logic, sites=2):
+            run_sites(cfg, tmp_path, ps)
         logic = ps.logic
         assert logic.version == 3 and logic.core.observer.pushes_total == 6
         wire, held = set(logic.core.model.spec), set(logic.core.model.params or {})
