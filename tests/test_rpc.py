@@ -28,11 +28,14 @@ from geofed_hpc.rpc.channel import client_options
 from geofed_hpc.rpc.client import PSClient
 from geofed_hpc.rpc.server import start_server
 from geofed_hpc.rpc.stream import digest, to_chunks
+from geofed_hpc.testing.partition import Partition
 from tests.conftest import ps_config, small_params
+from tests.site_procs import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 FP32 = CodecConfig(name="fp32")
 INT8 = CodecConfig(name="int8", block_size=64)
+PING_FRAME = 9 + 8  # an HTTP/2 frame header and the PING's 8 bytes
 
 
 def init_header(session: str) -> m.PushHeader:
@@ -200,16 +203,23 @@ def test_graceful_stop_finishes_a_push_in_flight_and_snapshots_it(tmp_path: Path
 def test_keepalive_pings_on_an_idle_channel_never_earn_a_goaway(live_ps) -> None:
     """A client pinging every 200 ms (far below the server's 10 s minimum) is still never sent away."""
     cfg = ps_config()
-    with grpc.insecure_channel(live_ps.address, options=client_options(cfg, keepalive_ms=200)) as channel:
-        status = channel.unary_unary(
-            "/geofed.v1.ParameterServer/Status",
-            request_serializer=serde.serializer(m.StatusRequest),
-            response_deserializer=serde.deserializer(m.StatusReply),
-        )
-        assert status(m.StatusRequest(), timeout=5).version == 0
-        time.sleep(3)  # idle: ~15 keepalive pings
-        assert status(m.StatusRequest(), timeout=5).version == 0
-        assert channel._channel.check_connectivity_state(False) == 2  # READY, the same connection
+    host, port = live_ps.address.rsplit(":", 1)
+    link = Partition((host, int(port)))  # a forwarder that counts the bytes the client sends
+    try:
+        with grpc.insecure_channel(link.address, options=client_options(cfg, keepalive_ms=200)) as channel:
+            status = channel.unary_unary(
+                "/geofed.v1.ParameterServer/Status",
+                request_serializer=serde.serializer(m.StatusRequest),
+                response_deserializer=serde.deserializer(m.StatusReply),
+            )
+            assert status(m.StatusRequest(), timeout=5).version == 0
+            before = link.sent()
+            # idle until 5 keepalive pings went out (a default server strikes out at 3), however long that takes
+            wait_for(lambda: link.sent() - before >= 5 * PING_FRAME, 120, "5 keepalive pings")
+            assert status(m.StatusRequest(), timeout=5).version == 0
+            assert channel._channel.check_connectivity_state(False) == 2  # READY, the same connection
+    finally:
+        link.close()
 
 
 def test_unreachable_ps_names_address_and_what_to_check() -> None:
