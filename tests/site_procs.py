@@ -8,8 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,25 +81,3 @@ def events(site_dir: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-@contextmanager
-def whole_rounds(logic: Any, sites: int, timeout: float = 300) -> Iterator[None]:
-    """Hold every delta pushed to the in-process PS `logic` until `sites` sites joined: a site process that starts
-    late on a busy machine then never misses the first sync round (which closes once every joined site pushed)."""
-    core = logic.core
-    begin = core.begin_push
-
-    def joined() -> bool:
-        return len({s.site for s in list(core.sessions.sessions.values())}) >= sites
-
-    def gated(header: Any) -> Any:
-        if not header.init:
-            wait_for(joined, timeout, f"{sites} sites to join before a round closes")
-        return begin(header)
-
-    core.begin_push = gated
-    try:
-        yield
-    finally:
-        core.begin_push = begin

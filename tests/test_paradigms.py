@@ -38,7 +38,7 @@ from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 from geofed_hpc.rpc.stream import digest, to_chunks
 from tests.conftest import ps_config
-from tests.site_procs import Site, whole_rounds
+from tests.site_procs import Site
 
 MODEL = ModelConfig(name="t", vocab_size=50257, context=32, d_model=32, n_layers=2, n_heads=2, d_ff=64)
 PARADIGMS: dict[str, dict[str, Any]] = {
@@ -62,7 +62,7 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_config(
-    folder: Path, shards: Path, paradigm: str, max_syncs: int = 3, round_timeout: str = "60s", **extra: Any
+    folder: Path, shards: Path, paradigm: str, max_syncs: int = 3, ps: dict[str, Any] | None = None, **extra: Any
 ) -> RunConfig:
     return RunConfig(
         federation="p",
@@ -70,7 +70,7 @@ def run_config(
         wandb_mode="disabled",
         site=SiteConfig(num_sites=2),
         model=MODEL,
-        ps=ps_config(state_dir=str(folder / "ps"), round_timeout=round_timeout),
+        ps=ps_config(state_dir=str(folder / "ps"), **{"round_timeout": "60s", **(ps or {})}),
         codec=CodecConfig(name="fp32"),
         data=DataConfig(source=str(shards), val_batches=2),
         train=TrainConfig(batch_size=4, lr=LR[paradigm], sync_interval="10m", max_local_steps=3, max_syncs=max_syncs),
@@ -108,13 +108,12 @@ def model_names(paradigm: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("paradigm", list(PARADIGMS))
 def test_two_sites_lower_the_loss_and_only_phi_travels(tmp_path: Path, shards: Path, paradigm: str) -> None:
-    # Rounds of both sites, whatever the machine's speed: pushes wait until both joined, and a round closes on its
-    # last push, never on a timeout (10 min, past the sites' own 5 min limit); each site trains max_local_steps.
-    cfg = run_config(tmp_path, shards, paradigm, round_timeout="10m")
+    # Rounds of both sites, whatever the machine's speed: a round waits for two pushes (a site that starts late
+    # joins the first) and closes on the last, never on its timeout (10 min, past the sites' own 5 min limit).
+    cfg = run_config(tmp_path, shards, paradigm, ps={"min_sites": 2, "round_timeout": "10m"})
     ps = ParameterServer(cfg)
     try:
-        with whole_rounds(ps.logic, sites=2):
-            run_sites(cfg, tmp_path, ps)
+        run_sites(cfg, tmp_path, ps)
         logic = ps.logic
         assert logic.version == 3 and logic.core.observer.pushes_total == 6
         wire, held = set(logic.core.model.spec), set(logic.core.model.params or {})

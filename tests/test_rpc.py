@@ -91,7 +91,7 @@ def test_retransmitted_push_applies_once(live_ps) -> None:
         assert again.duplicate and again.version == 1
 
 
-@pytest.mark.parametrize("live_ps", [{"round_timeout": "60s"}], indirect=True)
+@pytest.mark.parametrize("live_ps", [{"round_timeout": "10m"}], indirect=True)  # one round of all 16, however slow
 def test_sixteen_concurrent_sites_over_grpc(live_ps) -> None:
     """16 threads, each its own channel: join, pull, push an int8 delta, long-poll the next version as updates."""
     n = 16
@@ -187,9 +187,7 @@ def test_graceful_stop_finishes_a_push_in_flight_and_snapshots_it(tmp_path: Path
         assert first_sent.wait(timeout=30)
         stopper = threading.Thread(target=server.stop, kwargs={"grace": timedelta(seconds=30)})
         stopper.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and serving(client):
-            time.sleep(0.05)
+        wait_for(lambda: not serving(client), 120, "the stopping PS to report NOT_SERVING")
         release.set()
         reply = future.result(timeout=60)
         stopper.join(timeout=60)

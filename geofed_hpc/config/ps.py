@@ -73,6 +73,9 @@ class PSConfig:
     """Scale each delta to at most this L2 norm (0: off)."""
     buffer_size: AtLeastOne = 4
     """buffered: deltas per update."""
+    min_sites: AtLeastOne = 1
+    """sync: a round closes before its deadline only once this many sites pushed (so sites that start late join
+    the first round)."""
     round_timeout: Duration = timedelta(minutes=2)
     """sync: a round closes at the latest this long after it opened; buffered: after its first delta."""
     max_staleness: Annotated[StrictInt, Field(ge=0)] = 4
