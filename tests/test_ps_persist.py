@@ -174,7 +174,18 @@ def test_sigterm_applies_the_open_round_and_snapshots(tmp_path: Path) -> None:
     """`geofed-hpc ps up` in a real process: SIGTERM finishes, applies the partial round, writes a snapshot."""
     state = tmp_path / "state"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "geofed_hpc.cli", "-v", "ps", "up", "ps.port=0", f"ps.state_dir={state}", "codec=fp32"],
+        [
+            sys.executable,
+            "-m",
+            "geofed_hpc.cli",
+            "-v",
+            "ps",
+            "up",
+            "ps.port=0",
+            f"ps.state_dir={state}",
+            "codec=fp32",
+            "ps.round_timeout=1h",
+        ],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
