@@ -83,7 +83,8 @@ class PSConfig:
     state_dir: str = ""
     """Global model snapshots ("": in memory only; `launch` uses <run_dir>/ps)."""
     staging_dir: str = ""
-    """Where pushes land while their checksum is verified ("": <state_dir>/staging, or a temp dir)."""
+    """Where pushes land while their checksum is verified ("": <state_dir>/staging, or a temp dir the PS removes on
+    a clean stop); made again should it disappear while the PS runs."""
     snapshot_every: AtLeastOne = 1
     """Snapshot every this many versions (and on SIGTERM)."""
     downlink_codec: Annotated[str, choice(("", *WIRE_CODECS))] = ""
