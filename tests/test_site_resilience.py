@@ -380,9 +380,13 @@ def test_a_pull_lost_after_the_push_went_in_trains_on_from_the_local_model(tmp_p
             procs[0].kill()  # SIGKILL: the site is waiting for the round, inside its pull
             procs[0].wait(timeout=30)
             wait_for(lambda: any(e["event"] == "pull_failed" for e in events(site_dir)), 120, "the lost pull")
+            # the site is held (SIGSTOP) until the late one left the restarted PS: its next push, however fast it
+            # trains, goes into the next round, never into the replayed one
+            site.signal(signal.SIGSTOP)
             procs.append(ps_up())
             waiter.connect(timedelta(seconds=60))
             waiter.heartbeat(m.HeartbeatRequest(late, leaving=True))  # the round no longer waits for it
+            site.signal(signal.SIGCONT)
             assert site.wait(timeout=300) == [0], site.output() + log.read_text()
             sites = {s.site: s for s in waiter.status().sites}
             version = waiter.status().version
