@@ -135,6 +135,7 @@ def method_config(method: str, args: argparse.Namespace, steps: int, run_dir: Pa
             sync_interval=interval,
             eval_interval=args.eval_interval,
             max_local_steps=cut,
+            max_syncs=args.max_syncs,
             seed=args.seed,
             threads=1,
         ),
@@ -476,6 +477,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="every method's sites evaluate the global model they pull at most this often (train.eval_interval)",
     )
     p.add_argument("--local-steps", type=int, default=0, help="H of FedAvg/DiLoCo (0: measured, see above)")
+    p.add_argument(
+        "--max-syncs", type=int, default=0, help="each site stops after this many syncs (0: at the budget's end)"
+    )
     p.add_argument("--methods", default=",".join(METHODS), help=f"a subset of {','.join(METHODS)}")
     p.add_argument("--target", type=float, default=None, help="target loss (default: centralized at half budget)")
     p.add_argument("--model", default="tiny_llama", help="a conf/model/*.yaml option")
@@ -554,6 +558,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error(str(exc))
     if args.interval_s <= 0 or args.minutes <= 0:
         p.error("--sync-interval and --minutes must be positive")
+    if args.max_syncs < 0:
+        p.error("--max-syncs must be 0 or more")
     return args
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 ENV = "GEOFED_FAULTS"
 ACTIONS = ("kill", "enospc", "eio", "exit")
 # Named points (where the code calls `fault()`):
+#   atomic.chunk   ckpt/atomic.py, a chunk of the data was written to the temp file (a writer caught mid-write;
+#                  label: the target file name)
 #   atomic.write   ckpt/atomic.py, after the data is written to the temp file, before fsync and rename
 #                  (label: the target file name, e.g. global-00000003.gft or site-00000002.gft)
 #   ps.aggregate   ps/coordinator.py, a round's deltas are summed and the update is about to be applied

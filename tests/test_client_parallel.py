@@ -203,7 +203,8 @@ def test_wait_released_waits_until_another_thread_lets_go_of_the_tensor() -> Non
 
     threading.Thread(target=worker).start()
     wait_released(tensor, before)
-    assert gone.is_set() and holders(tensor) == before
+    assert holders(tensor) == before  # released when the wait returned (its event may be set a moment later)
+    assert gone.wait(timeout=60)
     holder.append(tensor)  # never dropped: the wait ends at its timeout, the reference is still there
     wait_released(tensor, before, timeout=timedelta(milliseconds=50))
     assert len(holder) == 1 and holder[0] is tensor

@@ -5,7 +5,6 @@ restart, a push still arriving when a site asks about it, and a replica whose ve
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from geofed_hpc import codec, faults
 from geofed_hpc.errors import UnavailableError
 from geofed_hpc.ps.ledger import MAX_REMEMBERED_PUSHES
 from geofed_hpc.rpc import messages as m
+from tests.site_procs import wait_for
 from tests.test_ps_logic import Clock, expect, full, init, joined, make, push
 from tests.test_site_parts import model_digest, shards, site
 
@@ -118,7 +118,7 @@ def test_every_remembered_push_id_survives_a_restart(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_push_still_arriving_is_waited_for_not_taken_as_lost(site: Any) -> None:
+def test_a_push_still_arriving_is_waited_for_not_taken_as_lost(site: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     trainer, ps, client = site
     uplink, sync = trainer.sync.uplink, trainer.sync
     header = m.PushHeader(sync.link.session_id, sync.version, 3, 3, "fp32", 0, b"", "slow-push")
@@ -126,8 +126,18 @@ def test_a_push_still_arriving_is_waited_for_not_taken_as_lost(site: Any) -> Non
     ledger = ps.logic.core.ledger
     assert ledger.claim("slow-push", timedelta(seconds=1)) is None  # a stream of it is still arriving
 
-    def lands() -> None:
-        time.sleep(1.5)
+    answers: list[str] = []  # what the PS said of the push each time the site asked
+    heartbeat = client.heartbeat
+
+    def asking(request: m.HeartbeatRequest, *args: Any, **kwargs: Any) -> m.HeartbeatReply:
+        reply = heartbeat(request, *args, **kwargs)
+        answers.append(reply.push)
+        return reply
+
+    monkeypatch.setattr(client, "heartbeat", asking)
+
+    def lands() -> None:  # once the site heard "receiving" twice, however long that took
+        wait_for(lambda: answers.count("receiving") >= 2, 60, "the site to ask twice")
         ledger.remember("slow-push", m.PushReply(True, 1, "", 0))
         ledger.release("slow-push")
 
@@ -136,6 +146,7 @@ def test_a_push_still_arriving_is_waited_for_not_taken_as_lost(site: Any) -> Non
     from geofed_hpc.client.uplink import Work
 
     assert work.settle(client, Work(sync.link.session_id, sync.version, 3, 1, 1.0), sync.timer)
+    assert answers.count("receiving") >= 2 and answers[-1] == "applied"  # it waited, then learned
     assert uplink.deferred.applied_steps == 3 and uplink.work_id == ""  # confirmed: not resent as not held
 
 

@@ -48,10 +48,10 @@ def federate(folder: Path, model: ModelConfig, paradigm: ParadigmConfig, tokeniz
         wandb_mode="disabled",
         site=SiteConfig(num_sites=2),
         model=model,
-        ps=ps_config(state_dir=str(run / "ps"), round_timeout="60s"),
+        ps=ps_config(state_dir=str(run / "ps"), min_sites=2, round_timeout="10m"),  # rounds of both sites
         codec=CodecConfig(name="fp32"),
         data=DataConfig(tokenizer=tokenizer, source=str(folder / "shards"), val_batches=1),
-        train=TrainConfig(batch_size=4, lr=lr, sync_interval="60s", max_local_steps=3, max_syncs=2),
+        train=TrainConfig(batch_size=4, lr=lr, sync_interval="10m", max_local_steps=3, max_syncs=2),
         paradigm=paradigm,
     )
     ps = ParameterServer(cfg)

@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -329,7 +328,10 @@ def test_partition_between_a_site_and_the_ps_heals_and_every_delta_lands_once(tm
             wait_for(lambda: ps.logic.version >= 2, 300, "the first sync")
             link.cut()
             cut_at = ps.logic.version
-            time.sleep(15)  # the outage: well inside the client's retry budget
+            # the outage lasts until a call of the site (its pull of the new version, a push, a heartbeat) is caught
+            # in it, however long that takes; well inside the client's retry budget
+            wait_for(lambda: link.held() > 0, 300, "a call of the site caught in the outage")
+            assert site.procs[0].poll() is None
             assert ps.logic.version == cut_at  # nothing got through
             link.heal()
             assert site.wait(timeout=600) == [0], site.output()

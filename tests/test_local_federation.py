@@ -27,6 +27,8 @@ def launch(run_dir: Path, cache: Path, max_syncs: int) -> subprocess.CompletedPr
         f"run_dir={run_dir}",
         f"train.max_syncs={max_syncs}",
         "train.sync_interval=2s",
+        "ps.min_sites=2",  # rounds of both sites, however late one starts
+        "ps.round_timeout=10m",  # and closed on their pushes, never on a timeout
         "data.max_tokens=60000",
         "data.val_batches=2",
         f"data.cache_dir={cache}",

@@ -30,7 +30,7 @@ def _offline_runs(run_dir: Path) -> list[Path]:
     return sorted((run_dir / "wandb").glob("offline-run-*"))
 
 
-def _wait_for_bytes(path: Path, expected: tuple[bytes, ...], deadline_s: float = 30.0) -> bytes:
+def _wait_for_bytes(path: Path, expected: tuple[bytes, ...], deadline_s: float = 120.0) -> bytes:
     """wandb's run.finish() returns before wandb-core has closed the run's .wandb file (it is complete at the
     latest when the process exits), so poll for the records instead of reading once."""
     end = time.monotonic() + deadline_s

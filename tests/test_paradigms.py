@@ -61,17 +61,19 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def run_config(folder: Path, shards: Path, paradigm: str, max_syncs: int = 3, **extra: Any) -> RunConfig:
+def run_config(
+    folder: Path, shards: Path, paradigm: str, max_syncs: int = 3, ps: dict[str, Any] | None = None, **extra: Any
+) -> RunConfig:
     return RunConfig(
         federation="p",
         run_dir=str(folder / "run"),
         wandb_mode="disabled",
         site=SiteConfig(num_sites=2),
         model=MODEL,
-        ps=ps_config(state_dir=str(folder / "ps"), round_timeout="60s"),
+        ps=ps_config(state_dir=str(folder / "ps"), **{"round_timeout": "60s", **(ps or {})}),
         codec=CodecConfig(name="fp32"),
         data=DataConfig(source=str(shards), val_batches=2),
-        train=TrainConfig(batch_size=4, lr=LR[paradigm], sync_interval="60s", max_local_steps=3, max_syncs=max_syncs),
+        train=TrainConfig(batch_size=4, lr=LR[paradigm], sync_interval="10m", max_local_steps=3, max_syncs=max_syncs),
         paradigm=ParadigmConfig(name=paradigm, **{**PARADIGMS[paradigm], **extra}),
     )
 
@@ -106,7 +108,9 @@ def model_names(paradigm: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("paradigm", list(PARADIGMS))
 def test_two_sites_lower_the_loss_and_only_phi_travels(tmp_path: Path, shards: Path, paradigm: str) -> None:
-    cfg = run_config(tmp_path, shards, paradigm)
+    # Rounds of both sites, whatever the machine's speed: a round waits for two pushes (a site that starts late
+    # joins the first) and closes on the last, never on its timeout (10 min, past the sites' own 5 min limit).
+    cfg = run_config(tmp_path, shards, paradigm, ps={"min_sites": 2, "round_timeout": "10m"})
     ps = ParameterServer(cfg)
     try:
         run_sites(cfg, tmp_path, ps)

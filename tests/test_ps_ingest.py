@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -23,8 +24,11 @@ def two_tensors(seed: int = 0) -> dict[str, np.ndarray]:
     return {"a": rng.standard_normal(20000).astype(np.float32), "b": rng.standard_normal(20000).astype(np.float32)}
 
 
-def record_decodes(monkeypatch: pytest.MonkeyPatch, hold: float = 0.0) -> tuple[list[str], list[int]]:
-    """Record the tensor of every decoded piece, and how many decodes ran at once (each held `hold` seconds)."""
+def record_decodes(
+    monkeypatch: pytest.MonkeyPatch, meet: threading.Barrier | None = None
+) -> tuple[list[str], list[int]]:
+    """Record the tensor of every decoded piece, and how many decodes ran at once (with `meet`, each decode waits
+    there for as many others: decodes that cannot run at once break it)."""
     names: list[str] = []
     running = [0]
     peaks: list[int] = []
@@ -36,7 +40,8 @@ def record_decodes(monkeypatch: pytest.MonkeyPatch, hold: float = 0.0) -> tuple[
             running[0] += 1
             peaks.append(running[0])
         try:
-            time.sleep(hold)
+            if meet is not None:
+                meet.wait(timeout=120)
             original(content, plan, out, what, start)
             names.append(what)
         finally:
@@ -66,7 +71,7 @@ def test_frames_are_decoded_while_the_stream_still_arrives(monkeypatch: pytest.M
 
     def slow() -> Iterator[m.Chunk]:
         yield from chunks[:-1]
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 120
         while "tensor 'a'" not in names and time.monotonic() < deadline:
             time.sleep(0.01)
         seen_early.append(list(names))  # what was decoded before the last chunk was handed over
@@ -82,7 +87,7 @@ def test_concurrent_pushes_decode_at_once(monkeypatch: pytest.MonkeyPatch) -> No
     logic = make("buffered", buffer_size=100, downlink_codec="fp32", decode_threads=2)
     a, b = joined(logic, 2)
     init(logic, a, {k: np.zeros_like(v) for k, v in two_tensors().items()})
-    _, peaks = record_decodes(monkeypatch, hold=0.3)
+    _, peaks = record_decodes(monkeypatch, meet=threading.Barrier(2))  # each decode waits for the other push's
     replies: list[m.PushReply] = []
     threads = [
         threading.Thread(
@@ -100,21 +105,29 @@ def test_concurrent_pushes_decode_at_once(monkeypatch: pytest.MonkeyPatch) -> No
     assert max(peaks) == 2 and logic.rounds.count == 2
 
 
-def test_without_a_free_decoder_slot_a_push_is_staged_and_decoded_once_one_frees() -> None:
+def test_without_a_free_decoder_slot_a_push_is_staged_and_decoded_once_one_frees(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     logic = make("async", downlink_codec="fp32", decode_threads=1)
     (s,) = joined(logic, 1)
     init(logic, s, {k: np.zeros_like(v) for k, v in two_tensors().items()})
     busy = logic.ingest.take()  # another push is decoding
     assert busy is not None
+    waiting = threading.Event()
+    held = logic.ingest.held
+
+    @contextmanager
+    def waits_for_a_slot() -> Iterator[None]:
+        waiting.set()
+        with held():
+            yield
+
+    monkeypatch.setattr(logic.ingest, "held", waits_for_a_slot)
     replies: list[m.PushReply] = []
     t = threading.Thread(target=lambda: replies.append(logic.push_delta(iter(push_chunks(s, 0, two_tensors(2))))))
     t.start()
-    deadline = time.monotonic() + 10
-    while not list(logic.staging.directory.glob("push-*")) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert list(logic.staging.directory.glob("push-*")) and not replies  # received whole, waiting for the slot
-    time.sleep(0.2)
-    assert logic.version == 0
+    assert waiting.wait(timeout=120)  # received whole, now waiting for the slot
+    assert list(logic.staging.directory.glob("push-*")) and not replies and logic.version == 0
     logic.ingest.give_back(busy)
     t.join(timeout=30)
     assert replies and replies[0].accepted and logic.version == 1

@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -106,32 +105,16 @@ for _ in range(100_000):
 
 
 def test_kill_during_snapshot_leaves_the_previous_one_loadable(tmp_path: Path) -> None:
-    """A real process writing 32 MiB snapshots is SIGKILLed while a temp file is open; the restart loads."""
-    torn = False
-    store = CheckpointStore(tmp_path, prefix="global")
-    for _attempt in range(5):
-        child = subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True
-        )
-        try:
-            assert child.stdout is not None and child.stdout.readline().startswith("ready")
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and child.poll() is None:
-                written = (store.latest_step() or 0) >= 2
-                if written and any(TEMP_MARKER in p.name for p in tmp_path.iterdir()):
-                    os.kill(child.pid, signal.SIGKILL)
-                    break
-                time.sleep(0.001)
-        finally:
-            if child.poll() is None:
-                os.kill(child.pid, signal.SIGKILL)
-            child.wait(timeout=30)
-            assert child.stdout is not None
-            child.stdout.close()
-        torn = any(TEMP_MARKER in p.name for p in tmp_path.iterdir())
-        if torn:
-            break
-    assert torn, "never caught the writer mid-snapshot"
+    """A real process writing 32 MiB snapshots is SIGKILLed by a fault point while the temp file of its third is
+    half-written (its first chunks on disk, the rest not); the restart loads the snapshot before."""
+    env = {**os.environ, "GEOFED_FAULTS": "atomic.chunk[global-000000003.gft]@2=kill"}
+    child = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], cwd=REPO, env=env, capture_output=True)
+    assert child.returncode == -signal.SIGKILL, child.stderr.decode(errors="replace")[-3000:]
+    assert b"fault injected: kill at atomic.chunk [global-000000003.gft] (hit 2)" in child.stderr
+    torn = [p for p in tmp_path.iterdir() if TEMP_MARKER in p.name]
+    assert len(torn) == 1 and torn[0].name.startswith(".global-000000003.gft"), torn
+    assert 0 < torn[0].stat().st_size < 4 << 23  # mid-write: less than the 32 MiB of its tensor
+    assert CheckpointStore(tmp_path, prefix="global").latest_step() == 2
     restored = make("async", run_codec="fp32", state_dir=str(tmp_path), downlink_history=0)
     assert restored.initialized and restored.version >= 2
     assert restored.core.model.params is not None
@@ -191,7 +174,18 @@ def test_sigterm_applies_the_open_round_and_snapshots(tmp_path: Path) -> None:
     """`geofed-hpc ps up` in a real process: SIGTERM finishes, applies the partial round, writes a snapshot."""
     state = tmp_path / "state"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "geofed_hpc.cli", "-v", "ps", "up", "ps.port=0", f"ps.state_dir={state}", "codec=fp32"],
+        [
+            sys.executable,
+            "-m",
+            "geofed_hpc.cli",
+            "-v",
+            "ps",
+            "up",
+            "ps.port=0",
+            f"ps.state_dir={state}",
+            "codec=fp32",
+            "ps.round_timeout=1h",
+        ],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -53,6 +53,24 @@ def test_the_factory_picks_one_class_per_mode_and_refuses_an_unknown_one(tmp_pat
         strategy_for(cfg, Staging(tmp_path), Clock())
 
 
+def test_sync_with_min_sites_waits_for_that_many_pushes_or_the_deadline(tmp_path: Path) -> None:
+    clock = Clock()
+    s = make(tmp_path, "sync", clock, round_timeout="10s", min_sites=2)
+    admit(s, "a", 1.0)
+    assert not s.ready({"a"})  # a alone is every active site, but the round waits for a second one to join
+    clock.now += 9.9
+    assert not s.ready({"a"})
+    admit(s, "b", 3.0)
+    assert s.ready({"a", "b"})  # two pushed: every active site and enough
+    assert not s.ready({"a", "b", "c"})  # c joined meanwhile: it is waited for as in any round
+    clock.now += 0.1
+    assert s.ready({"a", "b", "c"})
+    s.close()
+    admit(s, "a", 1.0)
+    clock.now += 10
+    assert s.ready({"a", "b"})  # the deadline closes a round of one, as without min_sites
+
+
 def test_sync_closes_when_every_active_session_pushed_or_at_the_deadline(tmp_path: Path) -> None:
     clock = Clock()
     s = make(tmp_path, "sync", clock, round_timeout="10s")

@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -61,13 +62,19 @@ def test_a_stop_request_is_honoured_by_phase_and_the_first_signal_wins(phase: Ph
     assert life.enter(next(iter(ALLOWED[phase]))) is True
 
 
-def test_an_interrupted_interval_is_carried_with_its_seconds() -> None:
+def test_an_interrupted_interval_is_carried_with_its_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from geofed_hpc.client import progress
+
+    clock = SimpleNamespace(monotonic=lambda: now)
+    now = 1000.0
+    monkeypatch.setattr(progress, "time", clock)
     interval = Interval(carry=(5, 10.0, 30.0))
     assert interval.begin() == (5, 10.0)
     assert interval.carry == (0, 0.0, 0.0)  # carried once
+    now += 2.5
     pending = interval.pending(7, 14.0)
     assert pending["steps"] == 7 and pending["loss_sum"] == 14.0
-    assert 30.0 <= pending["elapsed_s"] < 31.0  # the carried seconds count toward the interval's time
+    assert pending["elapsed_s"] == 32.5  # the carried seconds count toward the interval's time
 
 
 def test_events_carry_the_job_and_count_earlier_segments(tmp_path: Path) -> None:

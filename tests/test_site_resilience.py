@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -66,7 +65,9 @@ def ps_run_config(folder: Path, port: int, **ps: Any) -> RunConfig:
     return RunConfig(ps=cfg, train=train, codec=CodecConfig(name="int8"), wandb_mode="disabled")
 
 
-def test_a_push_rides_out_an_outage_shorter_than_the_retry_budget(tmp_path: Path) -> None:
+def test_a_push_rides_out_an_outage_shorter_than_the_retry_budget(
+    tmp_path: Path, warnings_log: pytest.LogCaptureFixture
+) -> None:
     port = free_port()
     cfg = ps_run_config(tmp_path, port, aggregation="async")
     ps = ParameterServer(cfg)
@@ -80,8 +81,11 @@ def test_a_push_rides_out_an_outage_shorter_than_the_retry_budget(tmp_path: Path
             assert client.push_delta(init, codec.encode(small_params(), FP32)).accepted
             ps.stop()  # snapshot on the way down; nothing listens on the port now
 
-            def restart() -> None:
-                time.sleep(3.0)
+            def failed_attempts() -> int:
+                return sum(r.getMessage().startswith("PushDelta to ") for r in list(warnings_log.records))
+
+            def restart() -> None:  # the outage lasts until the push failed twice, however long that takes
+                wait_for(lambda: failed_attempts() >= 2, 60, "two failed attempts of the push")
                 restarted.append(ParameterServer(cfg))
 
             thread = threading.Thread(target=restart)
@@ -90,6 +94,7 @@ def test_a_push_rides_out_an_outage_shorter_than_the_retry_budget(tmp_path: Path
             header = m.PushHeader(session.session_id, 0, 1, 10, "fp32", 0, b"", "")
             reply = client.push_delta(header, codec.encode(step, FP32))  # retried until the PS is back
             thread.join()
+            assert failed_attempts() >= 2  # it was retried while the PS was down
             assert reply.accepted and reply.version == 1 and not reply.duplicate
             assert restarted[0].logic.version == 1
             again = client.push_delta(header, codec.encode(step, FP32))  # same push id: not applied twice
@@ -375,9 +380,13 @@ def test_a_pull_lost_after_the_push_went_in_trains_on_from_the_local_model(tmp_p
             procs[0].kill()  # SIGKILL: the site is waiting for the round, inside its pull
             procs[0].wait(timeout=30)
             wait_for(lambda: any(e["event"] == "pull_failed" for e in events(site_dir)), 120, "the lost pull")
+            # the site is held (SIGSTOP) until the late one left the restarted PS: its next push, however fast it
+            # trains, goes into the next round, never into the replayed one
+            site.signal(signal.SIGSTOP)
             procs.append(ps_up())
             waiter.connect(timedelta(seconds=60))
             waiter.heartbeat(m.HeartbeatRequest(late, leaving=True))  # the round no longer waits for it
+            site.signal(signal.SIGCONT)
             assert site.wait(timeout=300) == [0], site.output() + log.read_text()
             sites = {s.site: s for s in waiter.status().sites}
             version = waiter.status().version

@@ -85,6 +85,7 @@ def atomic_write_bytes(path: Path, data: Chunk | Iterable[Chunk]) -> None:
             chunks: Iterable[Chunk] = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
             for chunk in chunks:
                 f.write(chunk)
+                fault("atomic.chunk", path.name)
             fault("atomic.write", path.name)
             f.flush()
             os.fsync(f.fileno())

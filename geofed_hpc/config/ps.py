@@ -73,6 +73,9 @@ class PSConfig:
     """Scale each delta to at most this L2 norm (0: off)."""
     buffer_size: AtLeastOne = 4
     """buffered: deltas per update."""
+    min_sites: AtLeastOne = 1
+    """sync: a round closes before its deadline only once this many sites pushed (so sites that start late join
+    the first round)."""
     round_timeout: Duration = timedelta(minutes=2)
     """sync: a round closes at the latest this long after it opened; buffered: after its first delta."""
     max_staleness: Annotated[StrictInt, Field(ge=0)] = 4
@@ -80,7 +83,8 @@ class PSConfig:
     state_dir: str = ""
     """Global model snapshots ("": in memory only; `launch` uses <run_dir>/ps)."""
     staging_dir: str = ""
-    """Where pushes land while their checksum is verified ("": <state_dir>/staging, or a temp dir)."""
+    """Where pushes land while their checksum is verified ("": <state_dir>/staging, or a temp dir the PS removes on
+    a clean stop); made again should it disappear while the PS runs."""
     snapshot_every: AtLeastOne = 1
     """Snapshot every this many versions (and on SIGTERM)."""
     downlink_codec: Annotated[str, choice(("", *WIRE_CODECS))] = ""

@@ -24,7 +24,9 @@ _KINDS = ("push-", "spool-")
 
 
 class Staging:
-    """One directory of short-lived files; leftovers of a crash are removed at start.
+    """One directory of short-lived files; leftovers of a crash are removed at start. Without a directory the
+    PS owns a private temp dir for its lifetime (removed by `close`); a directory that disappears while the PS
+    runs (a /tmp cleaner) is made again by the next file staged.
 
     Receiving a push writes chunk by chunk to a file (memory stays one chunk per push, whatever the number
     of sites uploading at once); nothing is decoded or applied before the whole stream verified.
@@ -44,12 +46,18 @@ class Staging:
         self._lock = threading.Lock()
 
     def _clear(self) -> None:
+        if not self.directory.is_dir():
+            return
         for p in self.directory.iterdir():
             if p.name.startswith(_KINDS) and p.is_file():
                 p.unlink(missing_ok=True)
 
     def new_path(self, kind: str) -> Path:
+        """A fresh file name in the directory, which exists (again) once this returns."""
         with self._lock:
+            if not self.directory.is_dir():
+                logger.warning("staging area %s disappeared (a temp cleaner?); making it again", self.directory)
+                self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             return self.directory / f"{kind}-{os.getpid()}-{next(self._ids):08d}"
 
     def receive(self, header: Header, first: m.Chunk, rest: Iterable[m.Chunk]) -> Path:

@@ -23,6 +23,7 @@ class Partition:
         self._open.set()
         self._closed = threading.Event()
         self._sockets: list[socket.socket] = []
+        self._sent = 0
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._accept, daemon=True, name="partition-accept")]
         self._threads[0].start()
@@ -36,6 +37,22 @@ class Partition:
 
     def heal(self) -> None:
         self._open.set()
+
+    def sent(self) -> int:
+        """Bytes forwarded from the clients to the target so far."""
+        with self._lock:
+            return self._sent
+
+    def held(self) -> int:
+        """Bytes that wait, unread, in the cut: the most on one side of one connection (up to 64 KiB); a call sent
+        into the outage, or its answer, shows here."""
+        most = 0
+        with self._lock:
+            sockets = list(self._sockets)
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                most = max(most, len(s.recv(_BUF, socket.MSG_PEEK | socket.MSG_DONTWAIT)))
+        return most
 
     def _accept(self) -> None:
         self._listener.settimeout(_POLL_S)
@@ -68,6 +85,9 @@ class Partition:
                     if not data:
                         return
                     peers[s].sendall(data)
+                    if s is a:
+                        with self._lock:
+                            self._sent += len(data)
         except OSError:
             return
         finally:
