@@ -1,0 +1,177 @@
+"""This PS as a member of a PS group: the sync loop that seeds, aligns, compares and closes rounds with its peers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from geofed_hpc.config import CodecConfig, PSConfig
+from geofed_hpc.errors import GeofedError
+from geofed_hpc.log import logger
+from geofed_hpc.ps.group.collectives import Traffic, allgather_bytes, broadcast_bytes
+from geofed_hpc.ps.group.reduce import Reduced, merged, pack_state, reduce_round, unpack_state
+from geofed_hpc.ps.group.rendezvous import Joined, form
+from geofed_hpc.ps.group.sync import Decision, SyncPoint, decide
+from geofed_hpc.ps.rounds import RoundTotals
+
+if TYPE_CHECKING:
+    from geofed_hpc.ps.coordinator import Coordinator
+
+
+class DigestMismatch(GeofedError):
+    """This PS's model differs from the group's majority at the same version: it stops rather than serve it."""
+
+
+@dataclass
+class GroupStats:
+    """What `status` shows of the group: versions whose digest every peer matched, the last digests, the last
+    exchange of round sums, and the last transfer of a whole model."""
+
+    compared: int = 0
+    identical: int = 0
+    digests: list[str] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    traffic: Traffic = field(default_factory=Traffic)
+    adopted_from: int = -1
+
+
+class PeerGroup:
+    """Forms the group at construction (refusing a peer that differs, naming it), then runs one thread that meets
+    the peers every ps.peer_tick: each shows its SyncPoint, and all draw the same Decision from them (decide). Only
+    this thread moves the model of a grouped PS (seed, adopt, close), so every peer takes the same steps in the
+    same order. A failure (a peer gone, a digest mismatch) ends the loop; `failed` holds it.
+
+    Lock: none of its own. `stats` and `failed` are written by the loop thread only (readers see whole values);
+    the coordinator's lock is taken inside the coordinator's methods it calls."""
+
+    def __init__(self, core: Coordinator, cfg: PSConfig, identity: dict[str, Any], wire: CodecConfig) -> None:
+        self.core, self.cfg = core, cfg
+        self.wire = replace(wire, name=cfg.peer_codec)
+        self.joined: Joined = form(cfg, identity)
+        self.stats = GroupStats()
+        self.failed: GeofedError | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ps-group", daemon=True)
+        self._reduced: Reduced | None = None
+        core.peer_sync = True
+
+    @property
+    def rank(self) -> int:
+        return self.joined.rank
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=self.cfg.peer_timeout.total_seconds())
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.cfg.peer_tick.total_seconds()):
+            try:
+                self.step()
+            except GeofedError as exc:
+                self.failed = exc
+                logger.error("PS group: %s", exc)
+                return
+
+    def step(self) -> Decision:
+        """One sync point with every peer (the same collectives in the same order on each)."""
+        pg = self.joined.pg
+        mine = self.core.sync_point()
+        points = [SyncPoint.unpack(b) for b in allgather_bytes(pg, mine.pack(), "sync point")]
+        decision = decide(points)
+        if decision.action == "seed":
+            if self.rank == decision.source:
+                self.core.seed_pending()
+            self._transfer(decision)
+        elif decision.action == "adopt":
+            self._transfer(decision)
+        elif decision.action == "mismatch":
+            self._mismatch(decision, points)
+        elif points[0].initialized:  # every peer at the same version, the same digest: compared once
+            self._compared(points)
+            if decision.action == "close":
+                self._close(points)
+        return decision
+
+    def _compared(self, points: list[SyncPoint]) -> None:
+        """Every peer holds the same version under the same digest: count it once."""
+        version = points[0].version
+        if self.stats.versions and self.stats.versions[-1] == version:
+            return
+        self.stats.compared += 1
+        self.stats.identical += 1
+        self.stats.versions.append(version)
+        self.stats.digests = [p.digest for p in points]
+        logger.info("PS group: version %d has digest %s on all %d peers", version, points[0].digest, len(points))
+
+    def _transfer(self, decision: Decision) -> None:
+        """The source's whole state (model, optimizer state, residual, push ids) to the peers behind, in one
+        broadcast; they adopt it."""
+        blob = pack_state(self.core.export_state()) if self.rank == decision.source else b""
+        start = time.monotonic()
+        blob = broadcast_bytes(self.joined.pg, blob, decision.source, "model transfer")
+        if self.rank in decision.peers:
+            state = unpack_state(blob)
+            self.core.adopt_state(state, f"peer {decision.source} ({self.cfg.peers[decision.source]})")
+            self.stats.adopted_from = decision.source
+            logger.info(
+                "PS group: took version %d from peer %d (%d bytes in %.2fs)",
+                state.version,
+                decision.source,
+                len(blob),
+                time.monotonic() - start,
+            )
+
+    def _mismatch(self, decision: Decision, points: list[SyncPoint]) -> None:
+        version = points[0].version
+        self.stats.compared += 1
+        self.stats.digests = [p.digest for p in points]
+        if self.rank not in decision.peers:
+            logger.error("PS group: peers %s differ from the majority at version %d", decision.peers, version)
+            return
+        shown = ", ".join(f"peer {i}: {p.digest}" for i, p in enumerate(points))
+        raise DigestMismatch(
+            f"the model of this PS (peer {self.rank}) at version {version} differs from "
+            f"{'the group majority' if decision.majority else 'its peers (no majority)'} ({shown}): this PS stops "
+            "serving it"
+        )
+
+    def _close(self, points: list[SyncPoint]) -> None:
+        """Close the group's round: every peer's sums reduced, the same update applied on each."""
+        self._reduced = None
+        spec = self.core.model.delta_shapes()
+
+        failure: list[GeofedError] = []
+
+        def reduce(totals: RoundTotals) -> RoundTotals:
+            try:
+                self._reduced = reduce_round(self.joined.pg, totals, spec, self.wire, self.stats.traffic)
+            except GeofedError as exc:
+                failure.append(exc)
+                raise
+            return merged(totals, self._reduced)
+
+        moved = self.core.close_group_round(reduce)
+        if failure:
+            raise failure[0]
+        if self._reduced is None:
+            return
+        if moved:
+            self.core.learn_pushes(self._reduced.push_ids)
+        logger.info(
+            "PS group: round of %d delta(s) from %d peers reduced (%s, %d bytes in %.3fs)",
+            self._reduced.total.count,
+            len(points),
+            self.wire.name,
+            self.stats.traffic.nbytes,
+            self.stats.traffic.seconds,
+        )

@@ -1,0 +1,194 @@
+"""A PS group on gloo over loopback: rendezvous refusals, the sync decision, identical models on every peer."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from geofed_hpc import codec
+from geofed_hpc.config import CodecConfig, ModelConfig, RunConfig
+from geofed_hpc.errors import ConfigError, GeofedError, MismatchError, UnavailableError
+from geofed_hpc.ps.app import ParameterServer
+from geofed_hpc.ps.group.rendezvous import form, identity
+from geofed_hpc.ps.group.sync import SyncPoint, decide
+from geofed_hpc.rpc import messages as m
+from geofed_hpc.rpc.client import PSClient
+from tests.conftest import ps_config, small_params
+from tests.dist_util import free_port
+
+FP32 = CodecConfig(name="fp32")
+INT8 = CodecConfig(name="int8", block_size=64)
+
+
+def point(version: int = 3, digest: str = "d", count: int = 0, complete: bool = True, **kw: Any) -> SyncPoint:
+    return SyncPoint(kw.pop("initialized", True), version, digest, count, complete, kw.pop("timed_out", False), **kw)
+
+
+def test_the_sync_decision() -> None:
+    blank = point(0, "", initialized=False)
+    assert decide([blank, blank]).action == "wait"
+    seed = decide([blank, point(0, "", initialized=False, seeds=True), point(0, "", initialized=False, seeds=True)])
+    assert (seed.action, seed.source, seed.peers) == ("seed", 1, [0, 2])
+    adopt = decide([point(2), point(3), point(3), blank])  # a restarted peer, one behind: the lowest newest gives
+    assert (adopt.action, adopt.source, adopt.peers) == ("adopt", 1, [0, 3])
+    odd = decide([point(digest="a"), point(digest="b"), point(digest="a")])
+    assert (odd.action, odd.peers, odd.majority) == ("mismatch", [1], "a")
+    assert decide([point(digest="a"), point(digest="b")]).peers == [0, 1]  # no majority: both stop
+    assert decide([point(count=2), point(count=0, complete=False)]).action == "wait"  # a peer's sites not in yet
+    assert decide([point(count=2), point(count=0, complete=False, timed_out=True)]).action == "close"
+    assert decide([point(count=2), point(count=0)]).action == "close"  # a peer without sites holds nothing
+    assert decide([point(count=0), point(count=0)]).action == "wait"
+
+
+def test_peer_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="ps.peer_rank"):
+        ps_config(peers=["127.0.0.1:5000", "127.0.0.1:5002"], peer_rank=2)
+    with pytest.raises(ConfigError, match="ps.aggregation=sync"):
+        ps_config(peers=["127.0.0.1:5000", "127.0.0.1:5002"], peer_rank=0, aggregation="async")
+    with pytest.raises(ConfigError, match="twice"):
+        ps_config(peers=["127.0.0.1:5000", "127.0.0.1:5000"], peer_rank=0)
+
+
+def peers(n: int) -> list[str]:
+    return [f"127.0.0.1:{free_port()}" for _ in range(n)]
+
+
+def meet_all(cfgs: list[RunConfig]) -> list[Any]:
+    """form() on every config at once (threads); each one's group or error."""
+    out: list[Any] = [None] * len(cfgs)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = form(cfgs[i].ps, identity(cfgs[i]))
+        except GeofedError as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(cfgs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return out
+
+
+def group_cfg(addresses: list[str], rank: int, rendezvous: str, **ps: Any) -> RunConfig:
+    _, port = addresses[rank].rsplit(":", 1)
+    settings = {"peer_timeout": "20s", "peer_tick": "50ms", "peer_secret": "s3cret", "round_timeout": "30s", **ps}
+    cfg = ps_config(port=int(port), peers=addresses, peer_rank=rank, peer_rendezvous=rendezvous, **settings)
+    return replace(RunConfig(), ps=cfg)
+
+
+def test_a_peer_with_another_model_or_secret_or_peer_list_is_refused_naming_both() -> None:
+    addresses, rdv = peers(3), f"127.0.0.1:{free_port()}"
+    cfgs = [group_cfg(addresses, r, rdv) for r in range(3)]
+    cfgs[2] = replace(cfgs[2], model=ModelConfig(name="other", d_model=64))
+    errors = meet_all(cfgs)
+    assert all(isinstance(e, MismatchError) for e in errors), errors
+    assert "peer 2" in str(errors[0]) and '"name": "other"' in str(errors[0]) and "this PS (peer 0" in str(errors[0])
+    assert '"name": "tiny"' in str(errors[0])  # both models named
+
+    addresses, rdv = peers(2), f"127.0.0.1:{free_port()}"
+    cfgs = [group_cfg(addresses, 0, rdv), group_cfg(addresses, 1, rdv, peer_secret="wrong")]
+    errors = meet_all(cfgs)
+    assert all(isinstance(e, MismatchError) and "shared secret" in str(e) for e in errors), errors
+
+    addresses, rdv = peers(2), f"127.0.0.1:{free_port()}"
+    other = [addresses[0], f"127.0.0.1:{free_port()}"]
+    cfgs = [group_cfg(addresses, 0, rdv), replace(group_cfg(other, 1, rdv))]
+    errors = meet_all(cfgs)
+    assert all(isinstance(e, MismatchError) and "peers" in str(e) for e in errors), errors
+
+
+def test_a_peer_that_never_arrives_times_out_naming_it(tmp_path: Path) -> None:
+    addresses, rdv = peers(3), f"127.0.0.1:{free_port()}"
+    secret = tmp_path / "secret"
+    secret.write_text("from-a-file\n")
+    cfgs = [
+        group_cfg(addresses, r, rdv, peer_timeout="1s", peer_secret="", peer_secret_file=str(secret)) for r in (0, 1)
+    ]
+    errors = meet_all(cfgs)
+    assert all(isinstance(e, UnavailableError) for e in errors), errors
+    assert "peer 2 (" + addresses[2] + ") did not arrive" in str(errors[0]) and "ps.peer_timeout" in str(errors[0])
+
+
+@contextmanager
+def group_of(n: int, **ps: Any) -> Iterator[list[ParameterServer]]:
+    addresses, rdv = peers(n), f"127.0.0.1:{free_port()}"
+    servers: list[Any] = [None] * n
+
+    def start(i: int) -> None:
+        servers[i] = ParameterServer(group_cfg(addresses, i, rdv, **ps))
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    try:
+        assert all(isinstance(s, ParameterServer) for s in servers), servers
+        yield servers
+    finally:
+        for s in servers:
+            if isinstance(s, ParameterServer):
+                s.stop(timedelta(seconds=1))
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def client(ps: ParameterServer) -> PSClient:
+    c = PSClient(ps_config(), ps.address)
+    c.connect(timedelta(seconds=5))
+    return c
+
+
+@pytest.mark.parametrize("peer_codec", ["int8", "fp32"])
+def test_three_peers_apply_identical_updates_and_know_each_others_pushes(peer_codec: str) -> None:
+    params = small_params()
+    with group_of(3, peer_codec=peer_codec) as servers:
+        clients = [client(s) for s in servers]
+        try:
+            sessions = [c.join(m.JoinRequest(f"site-{i}")).session_id for i, c in enumerate(clients)]
+            init = m.PushHeader(sessions[1], 0, 0, 0, "fp32", 0, b"", "seed", init=True)
+            assert clients[1].push_delta(init, codec.encode(params, FP32)).accepted  # seeded through peer 1
+            wait_for(lambda: all(s.logic.initialized for s in servers), "every peer to hold the seed")
+            late = m.PushHeader(sessions[2], 0, 0, 0, "fp32", 0, b"", "late", init=True)
+            assert not clients[2].push_delta(late, codec.encode(small_params(seed=5), FP32)).accepted
+            hashes = {s.logic.core.model_hash() for s in servers}
+            assert len(hashes) == 1
+            for version in range(3):
+                for i, c in enumerate(clients):
+                    delta = {k: np.full_like(v, 0.01 * (i + 1) * (version + 1)) for k, v in params.items()}
+                    header = m.PushHeader(sessions[i], version, 2, 10, "int8", 0, b"", f"p{version}-{i}")
+                    assert c.push_delta(header, codec.encode(delta, INT8)).accepted
+                wait_for(lambda v=version: all(s.logic.version == v + 1 for s in servers), f"version {version + 1}")
+                hashes = {s.logic.core.model_hash() for s in servers}
+                assert len(hashes) == 1, hashes
+            moved = servers[0].logic.core.model.params
+            assert moved is not None and not np.array_equal(moved["blocks.0.w"], params["blocks.0.w"])
+            # a push applied through peer 0, resent to peer 2 (its site failed over): answered, not applied twice
+            again = m.PushHeader(sessions[2], 2, 2, 10, "int8", 0, b"", "p2-0")
+            delta = {k: np.full_like(v, 0.03) for k, v in params.items()}
+            reply = clients[2].push_delta(again, codec.encode(delta, INT8))
+            assert reply.duplicate and reply.accepted
+            assert servers[2].logic.rounds.count == 0
+            group = servers[0].group
+            assert group is not None and group.failed is None
+            wait_for(lambda: group.stats.versions == [0, 1, 2, 3], "every version compared", 10)
+            assert group.stats.identical == group.stats.compared == 4
+        finally:
+            for c in clients:
+                c.close()
