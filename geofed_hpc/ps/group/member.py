@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from geofed_hpc.config import CodecConfig, PSConfig
@@ -18,6 +20,8 @@ from geofed_hpc.ps.rounds import RoundTotals
 
 if TYPE_CHECKING:
     from geofed_hpc.ps.coordinator import Coordinator
+
+GROUP_LOG = "group.jsonl"  # in the state directory: one row per version the peers compared
 
 
 class DigestMismatch(GeofedError):
@@ -112,6 +116,20 @@ class PeerGroup:
         self.stats.versions.append(version)
         self.stats.digests = [p.digest for p in points]
         logger.info("PS group: version %d has digest %s on all %d peers", version, points[0].digest, len(points))
+        self._record({"version": version, "digest": points[0].digest, "peers": len(points), "identical": True})
+
+    def _record(self, row: dict[str, Any]) -> None:
+        """One row of <state_dir>/group.jsonl: what the group compared (none without a state directory)."""
+        if not self.cfg.state_dir:
+            return
+        t = self.stats.traffic
+        row.update(time=time.time(), rank=self.rank, allreduce_bytes=t.nbytes, allreduce_s=round(t.seconds, 6))
+        path = Path(self.cfg.state_dir).expanduser() / GROUP_LOG
+        try:
+            with path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError as exc:
+            logger.warning("PS group: cannot write %s: %s", path, exc)
 
     def _transfer(self, decision: Decision) -> None:
         """The source's whole state (model, optimizer state, residual, push ids) to the peers behind, in one
@@ -135,6 +153,7 @@ class PeerGroup:
         version = points[0].version
         self.stats.compared += 1
         self.stats.digests = [p.digest for p in points]
+        self._record({"version": version, "digest": points[self.rank].digest, "peers": len(points), "identical": False})
         if self.rank not in decision.peers:
             logger.error("PS group: peers %s differ from the majority at version %d", decision.peers, version)
             return
