@@ -18,7 +18,8 @@ from geofed_hpc import codec
 from geofed_hpc.config import CodecConfig, ModelConfig, RunConfig
 from geofed_hpc.errors import ConfigError, GeofedError, MismatchError, UnavailableError
 from geofed_hpc.ps.app import ParameterServer
-from geofed_hpc.ps.group.rendezvous import form, identity
+from geofed_hpc.ps.group.membership import form
+from geofed_hpc.ps.group.rendezvous import identity
 from geofed_hpc.ps.group.sync import SyncPoint, decide
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
@@ -126,7 +127,8 @@ def group_of(n: int, **ps: Any) -> Iterator[list[ParameterServer]]:
     servers: list[Any] = [None] * n
 
     def start(i: int) -> None:
-        servers[i] = ParameterServer(group_cfg(addresses, i, rdv, **ps))
+        own = {"state_dir": f"{ps['state_dir']}/{i}"} if "state_dir" in ps else {}
+        servers[i] = ParameterServer(group_cfg(addresses, i, rdv, **{**ps, **own}))
 
     threads = [threading.Thread(target=start, args=(i,)) for i in range(n)]
     for t in threads:
@@ -189,6 +191,48 @@ def test_three_peers_apply_identical_updates_and_know_each_others_pushes(peer_co
             assert group is not None and group.failed is None
             wait_for(lambda: group.stats.versions == [0, 1, 2, 3], "every version compared", 10)
             assert group.stats.identical == group.stats.compared == 4
+        finally:
+            for c in clients:
+                c.close()
+
+
+def push_round(clients: list[PSClient], sessions: list[str], version: int, params: dict[str, np.ndarray]) -> None:
+    for i, (c, s) in enumerate(zip(clients, sessions, strict=True)):
+        delta = {k: np.full_like(v, 0.01 * (i + 1)) for k, v in params.items()}
+        header = m.PushHeader(s, version, 2, 10, "int8", 0, b"", f"v{version}-{i}-{s[:6]}")
+        assert c.push_delta(header, codec.encode(delta, INT8)).accepted
+
+
+def test_a_stopped_peer_shrinks_the_group_and_rejoins_from_a_live_peer(tmp_path: Path) -> None:
+    params = small_params()
+    with group_of(3, peer_timeout="5s", state_dir=str(tmp_path / "ps")) as servers:
+        clients = [client(s) for s in servers]
+        try:
+            sessions = [c.join(m.JoinRequest(f"site-{i}")).session_id for i, c in enumerate(clients)]
+            init = m.PushHeader(sessions[0], 0, 0, 0, "fp32", 0, b"", "seed", init=True)
+            assert clients[0].push_delta(init, codec.encode(params, FP32)).accepted
+            wait_for(lambda: all(s.logic.initialized for s in servers), "every peer to hold the seed")
+            push_round(clients, sessions, 0, params)
+            wait_for(lambda: all(s.logic.version == 1 for s in servers), "version 1")
+            gone_cfg = servers[2].cfg
+            clients[2].close()
+            servers[2].stop(timedelta(seconds=1))  # leaves: the other two re-form and go on alone
+            live = servers[:2]
+            wait_for(lambda: all(s.group is not None and s.group.stats.members == [0, 1] for s in live), "shrink")
+            for version in (1, 2):
+                push_round(clients[:2], sessions[:2], version, params)
+                wait_for(lambda v=version: all(s.logic.version == v + 1 for s in live), f"version {version + 1}")
+            assert all(s.group is not None and s.group.failed is None for s in live)
+            servers[2] = ParameterServer(gone_cfg)  # back on its port: taken back at the next sync point
+            back = servers[2]
+            wait_for(lambda: back.logic.initialized and back.logic.version == 3, "the rejoined peer at version 3")
+            assert len({s.logic.core.model_hash() for s in servers}) == 1  # bit for bit, optimizer state too
+            assert back.group is not None and back.group.stats.adopted_from == 0 and back.group.joined.generation == 2
+            assert back.logic.core.ledger.knows("v2-0-" + sessions[0][:6])  # the push ids came with the model
+            clients[2] = client(back)  # its site comes back to it: its session was in the PS's snapshot
+            push_round(clients, sessions, 3, params)
+            wait_for(lambda: all(s.logic.version == 4 for s in servers), "version 4 with all three")
+            assert len({s.logic.core.model_hash() for s in servers}) == 1
         finally:
             for c in clients:
                 c.close()

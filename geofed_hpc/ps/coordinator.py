@@ -65,7 +65,7 @@ class Coordinator:
         self._retry_at = 0.0  # a round whose update could not be made is tried again from then on
         self._cond = threading.Condition()
         self._closing = False
-        self.peer_sync = False  # one of a PS group: its sync points close rounds and seed or replace the model
+        self.peer_sync = cfg.grouped  # one of a PS group: its sync points close rounds and seed or replace the model
         self._seeds: list[tuple[m.PushHeader, Params, str]] = []  # init pushes the group has yet to pick from
         state = Path(cfg.state_dir).expanduser() if cfg.state_dir else None
         tokens = TokenVerifier(tokens_path(cfg.state_dir) if cfg.state_dir else None, cfg.enroll_token)
@@ -81,7 +81,8 @@ class Coordinator:
         if cfg.init_from:
             self._init_from(Path(cfg.init_from))
         with self._cond:
-            self.persistence.replay(self._version, self.ledger.knows, self._replay_journaled, self._close_replayed)
+            if not self.peer_sync:  # a group's peer takes the group's state at its first sync point instead
+                self.persistence.replay(self._version, self.ledger.knows, self._replay_journaled, self._close_replayed)
             self._maybe_close()
 
     @property

@@ -6,21 +6,23 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from geofed_hpc.config import CodecConfig, PSConfig
 from geofed_hpc.errors import GeofedError
 from geofed_hpc.log import logger
-from geofed_hpc.ps.group.collectives import Traffic, allgather_bytes, broadcast_bytes
+from geofed_hpc.ps.group.collectives import PeerLost, Traffic, allgather_bytes, broadcast_bytes
+from geofed_hpc.ps.group.membership import Joined, connect, form, joiners, leave, reform
 from geofed_hpc.ps.group.reduce import Reduced, merged, pack_state, reduce_round, unpack_state
-from geofed_hpc.ps.group.rendezvous import Joined, form
 from geofed_hpc.ps.group.sync import Decision, SyncPoint, decide
 from geofed_hpc.ps.rounds import RoundTotals
 
 if TYPE_CHECKING:
     from geofed_hpc.ps.coordinator import Coordinator
 
+STOP_WAIT = timedelta(seconds=2)  # how long a stopping PS lets its sync point in flight finish
 GROUP_LOG = "group.jsonl"  # in the state directory: one row per version the peers compared
 
 
@@ -39,6 +41,8 @@ class GroupStats:
     versions: list[int] = field(default_factory=list)
     traffic: Traffic = field(default_factory=Traffic)
     adopted_from: int = -1
+    generation: int = 0
+    members: list[int] = field(default_factory=list)
 
 
 class PeerGroup:
@@ -51,10 +55,10 @@ class PeerGroup:
     the coordinator's lock is taken inside the coordinator's methods it calls."""
 
     def __init__(self, core: Coordinator, cfg: PSConfig, identity: dict[str, Any], wire: CodecConfig) -> None:
-        self.core, self.cfg = core, cfg
+        self.core, self.cfg, self.identity = core, cfg, identity
         self.wire = replace(wire, name=cfg.peer_codec)
         self.joined: Joined = form(cfg, identity)
-        self.stats = GroupStats()
+        self.stats = GroupStats(generation=self.joined.generation, members=list(self.joined.members))
         self.failed: GeofedError | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ps-group", daemon=True)
@@ -63,15 +67,30 @@ class PeerGroup:
 
     @property
     def rank(self) -> int:
-        return self.joined.rank
+        """This PS's rank in the group's current generation."""
+        return self.joined.members.index(self.cfg.peer_rank)
+
+    def peer(self, rank: int) -> str:
+        """Group rank `rank` as a log line names it: its rank in ps.peers and its address."""
+        index = self.joined.members[rank]
+        return f"peer {index} ({self.cfg.peers[index]})"
 
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
+        """Leave the group (its peers re-form without this PS at their next sync point)."""
         self._stop.set()
+        leave(self.cfg, self.joined)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout=self.cfg.peer_timeout.total_seconds())
+            self._thread.join(timeout=STOP_WAIT.total_seconds())  # a sync point in flight ends with the group
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        try:
+            self.joined.pg.shutdown()
+        except RuntimeError as exc:  # already broken: nothing left to close
+            logger.debug("PS group: closing generation %d: %s", self.joined.generation, exc)
 
     @property
     def running(self) -> bool:
@@ -81,6 +100,16 @@ class PeerGroup:
         while not self._stop.wait(self.cfg.peer_tick.total_seconds()):
             try:
                 self.step()
+            except PeerLost as exc:  # a peer died or went silent: the others go on without it
+                if self._stop.is_set():
+                    return
+                logger.warning("PS group: %s; re-forming without the peers that do not answer", exc)
+                try:
+                    self._reform([])
+                except GeofedError as again:
+                    self.failed = again
+                    logger.error("PS group: %s", again)
+                    return
             except GeofedError as exc:
                 self.failed = exc
                 logger.error("PS group: %s", exc)
@@ -90,9 +119,13 @@ class PeerGroup:
         """One sync point with every peer (the same collectives in the same order on each)."""
         pg = self.joined.pg
         mine = self.core.sync_point()
+        if self.cfg.peer_rank == 0:
+            mine.joiners = joiners(self.cfg, self.joined.store, self.joined.members, self.identity)
         points = [SyncPoint.unpack(b) for b in allgather_bytes(pg, mine.pack(), "sync point")]
         decision = decide(points)
-        if decision.action == "seed":
+        if decision.action == "reform":
+            self._reform(decision.peers)
+        elif decision.action == "seed":
             if self.rank == decision.source:
                 self.core.seed_pending()
             self._transfer(decision)
@@ -105,6 +138,14 @@ class PeerGroup:
             if decision.action == "close":
                 self._close(points)
         return decision
+
+    def _reform(self, joining: list[int]) -> None:
+        """A new generation: the members still alive and `joining` (ranks in ps.peers), in a new gloo group."""
+        old = self.joined
+        members = reform(self.cfg, old.store, old.members, old.generation, joining)
+        self._shutdown()
+        self.joined = connect(self.cfg, old.store, old.generation + 1, members)
+        self.stats.generation, self.stats.members = self.joined.generation, list(members)
 
     def _compared(self, points: list[SyncPoint]) -> None:
         """Every peer holds the same version under the same digest: count it once."""
@@ -123,7 +164,13 @@ class PeerGroup:
         if not self.cfg.state_dir:
             return
         t = self.stats.traffic
-        row.update(time=time.time(), rank=self.rank, allreduce_bytes=t.nbytes, allreduce_s=round(t.seconds, 6))
+        row.update(
+            time=time.time(),
+            rank=self.cfg.peer_rank,
+            generation=self.joined.generation,
+            allreduce_bytes=t.nbytes,
+            allreduce_s=round(t.seconds, 6),
+        )
         path = Path(self.cfg.state_dir).expanduser() / GROUP_LOG
         try:
             with path.open("a") as f:
@@ -139,12 +186,12 @@ class PeerGroup:
         blob = broadcast_bytes(self.joined.pg, blob, decision.source, "model transfer")
         if self.rank in decision.peers:
             state = unpack_state(blob)
-            self.core.adopt_state(state, f"peer {decision.source} ({self.cfg.peers[decision.source]})")
-            self.stats.adopted_from = decision.source
+            self.core.adopt_state(state, self.peer(decision.source))
+            self.stats.adopted_from = self.joined.members[decision.source]
             logger.info(
-                "PS group: took version %d from peer %d (%d bytes in %.2fs)",
+                "PS group: took version %d from %s (%d bytes in %.2fs)",
                 state.version,
-                decision.source,
+                self.peer(decision.source),
                 len(blob),
                 time.monotonic() - start,
             )
@@ -159,7 +206,7 @@ class PeerGroup:
             return
         shown = ", ".join(f"peer {i}: {p.digest}" for i, p in enumerate(points))
         raise DigestMismatch(
-            f"the model of this PS (peer {self.rank}) at version {version} differs from "
+            f"the model of this PS (peer {self.cfg.peer_rank}) at version {version} differs from "
             f"{'the group majority' if decision.majority else 'its peers (no majority)'} ({shown}): this PS stops "
             "serving it"
         )

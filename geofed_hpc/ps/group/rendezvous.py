@@ -7,7 +7,6 @@ import hmac
 import json
 import os
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -17,8 +16,7 @@ import torch.distributed as dist
 from geofed_hpc.config import PSConfig, RunConfig, to_dict
 from geofed_hpc.config.fields import split_host_port
 from geofed_hpc.errors import ConfigError, MismatchError, UnavailableError
-from geofed_hpc.log import logger
-from geofed_hpc.ps.group.collectives import Group
+from geofed_hpc.ps.group.collectives import Group, PeerLost
 
 POLL = timedelta(milliseconds=50)
 
@@ -54,17 +52,6 @@ def peer_secret(cfg: PSConfig) -> bytes:
         return path.read_text().splitlines()[0].strip().encode() if path.stat().st_size else b""
     except OSError as exc:
         raise ConfigError(f"ps.peer_secret_file: cannot read {path}: {exc.strerror or exc}") from None
-
-
-@dataclass
-class Joined:
-    """A formed group: its gloo process group, the store it met at, this PS's rank and the group's size."""
-
-    pg: Group
-    store: dist.Store
-    rank: int
-    size: int
-    generation: int
 
 
 def _proof(secret: bytes, nonce: bytes, identity: bytes) -> str:
@@ -129,42 +116,36 @@ def open_store(cfg: PSConfig) -> dist.Store:
         ) from None
 
 
-def meet(cfg: PSConfig, identity: dict[str, Any], store: dist.Store, generation: int = 0) -> None:
-    """Every peer proves it knows the shared secret and shows what it runs; a peer that differs is refused, named."""
-    secret = peer_secret(cfg)
-    prefix = f"gen{generation}/"
-    if cfg.peer_rank == 0:
-        store.set(prefix + "nonce", os.urandom(16).hex())
-    _wait_keys(store, {0: prefix + "nonce"}, cfg.peer_timeout, "open the rendezvous", cfg)
-    nonce = store.get(prefix + "nonce")
+def hello(cfg: PSConfig, identity: dict[str, Any], nonce: bytes) -> str:
+    """What this peer shows at the rendezvous: its identity and proof that it knows the shared secret."""
     body = json.dumps(identity, sort_keys=True).encode()
-    hello = {"identity": identity, "proof": _proof(secret, nonce, body)}
-    store.set(f"{prefix}hello/{cfg.peer_rank}", json.dumps(hello))
-    others = {r: f"{prefix}hello/{r}" for r in range(len(cfg.peers)) if r != cfg.peer_rank}
+    return json.dumps({"identity": identity, "proof": _proof(peer_secret(cfg), nonce, body)})
+
+
+def check_hello(cfg: PSConfig, identity: dict[str, Any], rank: int, raw: bytes, nonce: bytes) -> None:
+    """MismatchError naming peer `rank` and this PS when its hello lacks the secret or shows another identity."""
+    got = json.loads(raw)
+    expected = _proof(peer_secret(cfg), nonce, json.dumps(got["identity"], sort_keys=True).encode())
+    if not hmac.compare_digest(expected, str(got.get("proof", ""))):
+        raise MismatchError(
+            f"refused at the PS group's rendezvous: peer {rank} ({cfg.peers[rank]}) does not prove the shared "
+            f"secret this PS (peer {cfg.peer_rank}) holds: set the same ps.peer_secret (or ps.peer_secret_file) "
+            "on every peer"
+        )
+    check_identities(cfg, identity, {rank: got["identity"]})
+
+
+def meet(cfg: PSConfig, identity: dict[str, Any], store: dist.Store) -> None:
+    """Every peer proves it knows the shared secret and shows what it runs; a peer that differs is refused, named."""
+    if cfg.peer_rank == 0:
+        store.set("gen0/nonce", os.urandom(16).hex())
+    _wait_keys(store, {0: "gen0/nonce"}, cfg.peer_timeout, "open the rendezvous", cfg)
+    nonce = store.get("gen0/nonce")
+    store.set(f"gen0/hello/{cfg.peer_rank}", hello(cfg, identity, nonce))
+    others = {r: f"gen0/hello/{r}" for r in range(len(cfg.peers)) if r != cfg.peer_rank}
     _wait_keys(store, others, cfg.peer_timeout, "arrive at the rendezvous", cfg)
-    theirs: dict[int, dict[str, Any]] = {}
     for rank, key in others.items():
-        got = json.loads(store.get(key))
-        theirs[rank] = got["identity"]
-        expected = _proof(secret, nonce, json.dumps(got["identity"], sort_keys=True).encode())
-        if not hmac.compare_digest(expected, str(got.get("proof", ""))):
-            raise MismatchError(
-                f"refused at the PS group's rendezvous: peer {rank} ({cfg.peers[rank]}) does not prove the shared "
-                f"secret this PS (peer {cfg.peer_rank}) holds: set the same ps.peer_secret (or ps.peer_secret_file) "
-                "on every peer"
-            )
-    check_identities(cfg, identity, theirs)
-
-
-def form(cfg: PSConfig, identity: dict[str, Any]) -> Joined:
-    """Meet the peers of ps.peers and form their gloo group (generation 0); errors name the peer at fault."""
-    store = open_store(cfg)
-    meet(cfg, identity, store)
-    host, _ = split_host_port(cfg.peers[cfg.peer_rank])
-    size = len(cfg.peers)
-    pg = gloo_group(store, cfg.peer_rank, size, 0, host, cfg.peer_timeout)
-    logger.info("PS group formed: peer %d of %d (%s)", cfg.peer_rank, size, ", ".join(cfg.peers))
-    return Joined(pg, store, cfg.peer_rank, size, 0)
+        check_hello(cfg, identity, rank, store.get(key), nonce)
 
 
 def gloo_group(store: dist.Store, rank: int, size: int, generation: int, host: str, timeout: timedelta) -> Group:
@@ -176,5 +157,5 @@ def gloo_group(store: dist.Store, rank: int, size: int, generation: int, host: s
     try:
         pg = dist.ProcessGroupGloo(dist.PrefixStore(f"gen{generation}/pg/", store), rank, size, options)
     except RuntimeError as exc:
-        raise UnavailableError(f"the PS group's gloo connections did not form: {str(exc).splitlines()[0]}") from None
+        raise PeerLost(f"the PS group's gloo connections did not form: {str(exc).splitlines()[0]}") from None
     return cast(Group, pg)

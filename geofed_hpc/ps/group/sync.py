@@ -7,7 +7,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-Action = Literal["wait", "seed", "adopt", "mismatch", "close"]
+Action = Literal["wait", "reform", "seed", "adopt", "mismatch", "close"]
 
 
 @dataclass
@@ -22,6 +22,7 @@ class SyncPoint:
     complete: bool
     timed_out: bool
     seeds: bool = False
+    joiners: list[int] = field(default_factory=list)  # peer 0: peers of ps.peers waiting to be taken back
 
     def pack(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -45,10 +46,14 @@ class Decision:
 def decide(points: list[SyncPoint]) -> Decision:
     """The same decision on every peer, from every peer's SyncPoint in rank order:
 
-    no model anywhere: the lowest peer a site offered a model seeds the group (seed); a peer without the newest
-    version takes the model of the lowest peer that has it (adopt); the same version under different digests stops
-    the peers outside the majority (mismatch; all of them without a majority); else the group's round closes once
-    it holds a delta and every peer's sites pushed or any peer's deadline passed (close)."""
+    peers asked to come back: the group re-forms with them (reform); no model anywhere: the lowest peer a site
+    offered a model seeds the group (seed); a peer without the newest version takes the model of the lowest peer
+    that has it (adopt); the same version under different digests stops the peers outside the majority (mismatch;
+    all of them without a majority); else the group's round closes once it holds a delta and every peer's sites
+    pushed or any peer's deadline passed (close)."""
+    joiners = sorted({j for p in points for j in p.joiners})
+    if joiners:
+        return Decision("reform", peers=joiners)
     ready = [i for i, p in enumerate(points) if p.initialized]
     if not ready:
         seeders = [i for i, p in enumerate(points) if p.seeds]
