@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
@@ -16,7 +17,7 @@ import pytest
 
 from geofed_hpc import codec
 from geofed_hpc.config import CodecConfig, ModelConfig, RunConfig
-from geofed_hpc.errors import ConfigError, GeofedError, MismatchError, UnavailableError
+from geofed_hpc.errors import AuthError, ConfigError, GeofedError, MismatchError, UnavailableError
 from geofed_hpc.ps.app import ParameterServer
 from geofed_hpc.ps.group.membership import form
 from geofed_hpc.ps.group.rendezvous import identity
@@ -172,10 +173,13 @@ def test_three_peers_apply_identical_updates_and_know_each_others_pushes(peer_co
             hashes = {s.logic.core.model_hash() for s in servers}
             assert len(hashes) == 1
             for version in range(3):
-                for i, c in enumerate(clients):
+                pushes = []
+                for i in range(3):
                     delta = {k: np.full_like(v, 0.01 * (i + 1) * (version + 1)) for k, v in params.items()}
                     header = m.PushHeader(sessions[i], version, 2, 10, "int8", 0, b"", f"p{version}-{i}")
-                    assert c.push_delta(header, codec.encode(delta, INT8)).accepted
+                    pushes.append((header, codec.encode(delta, INT8)))
+                replies = concurrently(clients, pushes)  # each answered once the group applied its round
+                assert all(r.accepted and r.version == version + 1 for r in replies), replies
                 wait_for(lambda v=version: all(s.logic.version == v + 1 for s in servers), f"version {version + 1}")
                 hashes = {s.logic.core.model_hash() for s in servers}
                 assert len(hashes) == 1, hashes
@@ -196,11 +200,21 @@ def test_three_peers_apply_identical_updates_and_know_each_others_pushes(peer_co
                 c.close()
 
 
+def concurrently(clients: list[PSClient], pushes: list[tuple[m.PushHeader, bytes]]) -> list[m.PushReply]:
+    """Every client pushes its (header, payload) at once (a grouped PS answers when the round is applied)."""
+    with ThreadPoolExecutor(len(pushes)) as pool:
+        futures = [pool.submit(c.push_delta, h, p) for c, (h, p) in zip(clients, pushes, strict=True)]
+        return [f.result(timeout=60) for f in futures]
+
+
 def push_round(clients: list[PSClient], sessions: list[str], version: int, params: dict[str, np.ndarray]) -> None:
-    for i, (c, s) in enumerate(zip(clients, sessions, strict=True)):
+    pushes = []
+    for i, s in enumerate(sessions):
         delta = {k: np.full_like(v, 0.01 * (i + 1)) for k, v in params.items()}
-        header = m.PushHeader(s, version, 2, 10, "int8", 0, b"", f"v{version}-{i}-{s[:6]}")
-        assert c.push_delta(header, codec.encode(delta, INT8)).accepted
+        pushes.append(
+            (m.PushHeader(s, version, 2, 10, "int8", 0, b"", f"v{version}-{i}-{s[:6]}"), codec.encode(delta, INT8))
+        )
+    assert all(r.accepted for r in concurrently(clients, pushes))
 
 
 def test_a_stopped_peer_shrinks_the_group_and_rejoins_from_a_live_peer(tmp_path: Path) -> None:
@@ -236,3 +250,46 @@ def test_a_stopped_peer_shrinks_the_group_and_rejoins_from_a_live_peer(tmp_path:
         finally:
             for c in clients:
                 c.close()
+
+
+def test_a_site_fails_over_to_the_next_peer_and_its_push_is_applied_once() -> None:
+    params = small_params()
+    with group_of(2, peer_timeout="5s", peer_codec="fp32") as servers:
+        near, far = servers[1], servers[0]  # the site's nearest PS is peer 1; peer 0 is the next on its list
+        site = PSClient(ps_config(failover_after="1s", retry_budget="60s"), f"{near.address},{far.address}")
+        other = client(far)
+        try:
+            site.connect(timedelta(seconds=5))
+            assert site.address == near.address
+            mine = site.join(m.JoinRequest("site-a")).session_id
+            theirs = other.join(m.JoinRequest("site-b")).session_id
+            init = m.PushHeader(theirs, 0, 0, 0, "fp32", 0, b"", "seed", init=True)
+            assert other.push_delta(init, codec.encode(params, FP32)).accepted
+            wait_for(lambda: all(s.logic.initialized for s in servers), "the seed on both peers")
+            ones = codec.encode({k: np.ones_like(v) for k, v in params.items()}, FP32)
+            with ThreadPoolExecutor(1) as pool:  # our push waits in the open round: peer 0's site has not pushed
+                pending = pool.submit(site.push_delta, m.PushHeader(mine, 0, 2, 10, "fp32", 0, b"", "A"), ones)
+                wait_for(lambda: near.logic.rounds.count == 1, "our delta in peer 1's round")
+                near.stop(timedelta(seconds=1))  # our PS goes before the group applied the round
+                with pytest.raises(AuthError):  # the retry reached peer 0, which does not know our session
+                    pending.result(timeout=60)
+            assert site.address == far.address
+            mine = site.join(m.JoinRequest("site-a")).session_id  # the site joins peer 0 and pushes again
+            threes = codec.encode({k: np.full_like(v, 3.0) for k, v in params.items()}, FP32)
+            replies = concurrently(
+                [site, other],
+                [
+                    (m.PushHeader(mine, 0, 2, 10, "fp32", 0, b"", "A"), ones),
+                    (m.PushHeader(theirs, 0, 2, 10, "fp32", 0, b"", "B"), threes),
+                ],
+            )
+            assert all(r.accepted and not r.duplicate and r.version == 1 for r in replies), replies
+            again = site.push_delta(m.PushHeader(mine, 0, 2, 10, "fp32", 0, b"", "A"), ones)
+            assert again.duplicate and far.logic.version == 1  # answered, not applied twice
+            model = far.logic.core.model.params
+            assert model is not None
+            for k, v in params.items():  # the mean of A and B applied once: nothing lost, nothing doubled
+                np.testing.assert_array_equal(model[k], v + np.float32(2.0))
+        finally:
+            site.close()
+            other.close()

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
 from geofed_hpc.config.codec import WIRE_CODECS
-from geofed_hpc.config.fields import Duration, HostPort, Name, OneOrMany, check, choice, pattern
+from geofed_hpc.config.fields import Duration, HostPort, HostPorts, Name, OneOrMany, check, choice, pattern
 from geofed_hpc.config.section import section
 
 Port = Annotated[StrictInt, Field(ge=0, le=65535)]
@@ -25,8 +25,11 @@ class PSConfig:
     """The address the PS listens on."""
     port: Port = 0
     """The port it listens on (0: a free one, picked at start)."""
-    address: HostPort = ""
-    """host:port where sites dial ("": host:port above)."""
+    address: HostPorts = ""
+    """host:port where sites dial ("": host:port above); with a PS group several, nearest first
+    ([a:50051,b:50051]): a site fails over to the next when its PS is gone."""
+    failover_after: Duration = timedelta(seconds=10)
+    """With several ps.address: a PS that does not answer for this long is left for the next one."""
     insecure: StrictBool = True
     """Plaintext gRPC (local demos only); false: TLS with the files below."""
     cert_file: str = ""
@@ -203,5 +206,9 @@ class PSConfig:
         return bool(self.peers)
 
     def dial_address(self) -> str:
-        """The host:port clients dial (ps.address, else host:port)."""
-        return self.address or f"{self.host}:{self.port}"
+        """The host:port clients dial (ps.address, the nearest when it lists several; else host:port)."""
+        return self.dial_addresses()[0]
+
+    def dial_addresses(self) -> list[str]:
+        """Every host:port clients may dial, nearest first (ps.address, else host:port)."""
+        return self.address.split(",") if self.address else [f"{self.host}:{self.port}"]

@@ -443,6 +443,20 @@ class Coordinator:
             self._snapshot()
             self._cond.notify_all()
 
+    def settled(self, reply: m.PushReply, header: m.PushHeader) -> m.PushReply:
+        """A grouped PS answers a delta once the group applied its round (every peer knows its push id then), so
+        a site whose PS dies before that pushes it again to the next PS, where it is applied once; a single PS
+        answers at once (its journal keeps the delta)."""
+        if not self.peer_sync or header.init or not reply.accepted or reply.duplicate:
+            return reply
+        deadline = time.monotonic() + 0.9 * self.cfg.rpc_timeout.total_seconds()
+        with self._cond:
+            while self.model.version <= reply.version and not self._closing and time.monotonic() < deadline:
+                self._cond.wait(timeout=1.0)
+            if self.model.version <= reply.version and self._closing:
+                raise UnavailableError("this parameter server stopped before the group applied the push: push again")
+            return replace(self.ledger.reply(header.push_id), version=self.model.version)
+
     def close_group_round(self, reduce: Callable[[RoundTotals], RoundTotals]) -> bool:
         """Close the group's round with every peer's sums (`reduce`); whether the model moved."""
         with self._cond:
