@@ -83,6 +83,11 @@ def peers(folder: Path, n: int = 3, extra: dict[int, list[str]] | None = None) -
         group.close()
 
 
+def rows_of(state: Path, kind: str) -> list[dict[str, Any]]:
+    """The rows of one kind in a peer's group.jsonl."""
+    return [r for r in read_jsonl(state / "group.jsonl") if r["kind"] == kind]
+
+
 def pull_digest(address: str) -> tuple[int, str]:
     with PSClient(ps_config(connect_timeout="5s"), address) as client:
         client.connect()
@@ -110,10 +115,11 @@ def test_three_peers_with_two_sites_each_hold_identical_models_while_the_loss_fa
             for site in sites:
                 site.close()
     assert len(set(finals)) == 1 and finals[0][0] == SYNCS, finals  # one model, bit for bit, on every peer
-    compared = [read_jsonl(tmp_path / f"ps-{i}" / "group.jsonl") for i in range(3)]
-    for rows in compared:  # every version compared on every peer, each identical on all three
+    compared = [rows_of(tmp_path / f"ps-{i}", "compared") for i in range(3)]
+    for i, rows in enumerate(compared):  # every version compared on every peer, each identical on all three
         assert [r["version"] for r in rows] == list(range(SYNCS + 1)), rows
-        assert all(r["identical"] and r["peers"] == 3 for r in rows), rows
+        assert all(r["peers"] == 3 for r in rows), rows
+        assert not rows_of(tmp_path / f"ps-{i}", "mismatch")
     prints = {r["version"]: r["digest"] for r in compared[0]}
     assert all({r["version"]: r["digest"] for r in rows} == prints for rows in compared)
     for i in range(len(sites)):  # every replica any site held is the group's model of that version, bit for bit
@@ -140,3 +146,41 @@ def test_a_peer_with_another_model_is_refused_at_rendezvous(tmp_path: Path) -> N
     for log in logs:
         assert "refused at the PS group's rendezvous" in log and "model" in log, log
     assert '"name": "tiny_llama"' in logs[0] and '"name": "tiny"' in logs[0], logs[0]
+
+
+def test_a_killed_peers_sites_fail_over_and_no_push_is_lost_or_applied_twice(tmp_path: Path, shards6: Path) -> None:
+    cfg: dict[str, Any] = site_cfg(tmp_path, shards6, max_syncs=SYNCS, sites=3 * SITES_PER_PS)
+    cfg["ps"].update(retry_budget="120s", failover_after="3s")
+    sites: list[Site] = []
+    with peers(tmp_path, extra={i: ["ps.peer_timeout=10s"] for i in range(3)}) as group:
+        wait_for(group.ready, 120, "three peers serving")
+        try:
+            for i in range(3 * SITES_PER_PS):
+                p = i // SITES_PER_PS
+                nearest_first = f"{group.addresses[p]},{group.addresses[0 if p == 2 else p + 1]}"
+                sites.append(Site(cfg, tmp_path, nearest_first, index=i))
+            wait_for(
+                lambda: (
+                    any(rows_of(tmp_path / "ps-0", "applied"))
+                    if (tmp_path / "ps-0" / "group.jsonl").exists()
+                    else False
+                ),
+                300,
+                "a first round",
+            )
+            group.procs[2].kill()  # SIGKILL: its sites' pushes in flight die with it
+            group.procs[2].wait(timeout=30)
+            for site in sites:
+                assert site.wait(timeout=600) == [0], site.output()
+            finals = [pull_digest(a) for a in group.addresses[:2]]
+        finally:
+            for site in sites:
+                site.close()
+    assert finals[0] == finals[1], finals
+    applied = rows_of(tmp_path / "ps-0", "applied")
+    ids = [p for r in applied for p in r["push_ids"]]
+    assert len(ids) == len(set(ids)), ids  # no push applied twice
+    assert sum(r["count"] for r in applied) == len(ids) == SYNCS * len(sites)  # and none lost
+    assert applied[-1]["peers"] == 2 and applied[0]["peers"] == 3
+    moved = [e for i in (4, 5) for e in events(tmp_path / "run" / "sites" / f"local-{i}") if e["event"] == "rejoin"]
+    assert moved, "the killed peer's sites joined the next peer"

@@ -197,17 +197,17 @@ class PSClient:
     def heartbeat(
         self, request: m.HeartbeatRequest, budget: timedelta = QUICK_BUDGET, timeout: timedelta | None = None
     ) -> m.HeartbeatReply:
-        call, seconds = self._calls["Heartbeat"], timeout.total_seconds() if timeout else self._quick()
-        return self._call("Heartbeat", lambda: call(request, timeout=seconds), budget)
+        seconds = timeout.total_seconds() if timeout else self._quick()  # the channel of the moment (failover)
+        return self._call("Heartbeat", lambda: self._calls["Heartbeat"](request, timeout=seconds), budget)
 
     def status(self) -> m.StatusReply:
-        call = self._calls["Status"]
-        return self._call("Status", lambda: call(m.StatusRequest(), timeout=self._quick()), QUICK_BUDGET)
+        return self._call(
+            "Status", lambda: self._calls["Status"](m.StatusRequest(), timeout=self._quick()), QUICK_BUDGET
+        )
 
     def health(self, service: str = serde.SERVICE) -> str:
         """The grpc.health.v1 status of `service` ("" for the whole server): SERVING, NOT_SERVING, ..."""
-        check = serde.health_check(self._channel)
-        return self._call("Health", lambda: check(service, self._quick()), QUICK_BUDGET)
+        return self._call("Health", lambda: serde.health_check(self._channel)(service, self._quick()), QUICK_BUDGET)
 
     def pull_model(
         self,

@@ -157,10 +157,11 @@ class PeerGroup:
         self.stats.versions.append(version)
         self.stats.digests = [p.digest for p in points]
         logger.info("PS group: version %d has digest %s on all %d peers", version, points[0].digest, len(points))
-        self._record({"version": version, "digest": points[0].digest, "peers": len(points), "identical": True})
+        self._record({"kind": "compared", "version": version, "digest": points[0].digest, "peers": len(points)})
 
     def _record(self, row: dict[str, Any]) -> None:
-        """One row of <state_dir>/group.jsonl: what the group compared (none without a state directory)."""
+        """One row of <state_dir>/group.jsonl (none without a state directory): a version every peer holds under the
+        same digest (compared), one that differs (mismatch), or a round the group applied (applied: its push ids)."""
         if not self.cfg.state_dir:
             return
         t = self.stats.traffic
@@ -200,7 +201,7 @@ class PeerGroup:
         version = points[0].version
         self.stats.compared += 1
         self.stats.digests = [p.digest for p in points]
-        self._record({"version": version, "digest": points[self.rank].digest, "peers": len(points), "identical": False})
+        self._record({"kind": "mismatch", "version": version, "digest": points[self.rank].digest, "peers": len(points)})
         if self.rank not in decision.peers:
             logger.error("PS group: peers %s differ from the majority at version %d", decision.peers, version)
             return
@@ -233,6 +234,8 @@ class PeerGroup:
             return
         if moved:
             self.core.learn_pushes(self._reduced.push_ids)
+            row = {"kind": "applied", "version": self.core.sync_point().version, "count": self._reduced.total.count}
+            self._record({**row, "peers": len(points), "push_ids": self._reduced.push_ids})
         logger.info(
             "PS group: round of %d delta(s) from %d peers reduced (%s, %d bytes in %.3fs)",
             self._reduced.total.count,
