@@ -439,6 +439,7 @@ class Coordinator:
             self.strategy.load_state(state.strategy)
             self.ledger.load_json(state.push_ids)
             self._seeds.clear()
+            self.sessions.quiet()  # its sites may have failed over to a peer: they count once they are back
             self.persistence.clear_journal()
             self._snapshot()
             self._cond.notify_all()

@@ -30,7 +30,8 @@ class PeerLost(UnavailableError):
 
 @dataclass
 class Traffic:
-    """The group's last bulk exchange: bytes this PS contributed, how long it took (seconds), when (time.time)."""
+    """The group's last exchange of round sums: the bytes this PS received (fp32: its share, reduced and sent back
+    by the ring), how long the exchange took (seconds), when (time.time)."""
 
     nbytes: int = 0
     seconds: float = 0.0
@@ -56,15 +57,19 @@ def _as_tensor(data: bytes, size: int) -> torch.Tensor:
     return buf
 
 
-def allgather_bytes(pg: Group, data: bytes, what: str = "exchange") -> list[bytes]:
-    """Every peer's `data`, in rank order (sizes first, then one all-gather padded to the largest)."""
+def allgather_bytes(pg: Group, data: bytes, what: str = "exchange", traffic: Traffic | None = None) -> list[bytes]:
+    """Every peer's `data`, in rank order (sizes first, then one all-gather padded to the largest; `traffic` times
+    that one: the peers are aligned by then, so it is the transfer, not a wait for the slowest)."""
     n = pg.size()
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
     _wait(pg.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]), what)
     lengths = [int(s.item()) for s in sizes]
     top = max(lengths)
     outs = [torch.empty(max(top, 1), dtype=torch.uint8) for _ in range(n)]
+    start = time.monotonic()
     _wait(pg.allgather([outs], [_as_tensor(data, top)]), what)
+    if traffic is not None:
+        traffic.nbytes, traffic.seconds, traffic.at = (n - 1) * top, time.monotonic() - start, time.time()
     return [o[:size].numpy().tobytes() for o, size in zip(outs, lengths, strict=True)]
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import struct
-import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -51,7 +50,6 @@ def reduce_round(
         "count": totals.count,
         "push_ids": totals.push_ids,
     }
-    start = time.monotonic()
     if wire.name == "fp32":
         metas: list[dict[str, Any]] = [
             _unframe(b)[0] for b in allgather_bytes(pg, _frame(meta, b""), "exchange of round counts")
@@ -68,8 +66,7 @@ def reduce_round(
             offset += n
     else:
         payload = codec.encode(folded.total, wire) if folded else b""
-        blobs = allgather_bytes(pg, _frame(meta, payload), "all-gather of round sums")
-        traffic.nbytes, traffic.seconds, traffic.at = len(payload), time.monotonic() - start, time.time()
+        blobs = allgather_bytes(pg, _frame(meta, payload), "all-gather of round sums", traffic)
         total = {k: np.zeros(s, np.float32) for k, s in spec.items()}
         metas = []
         for blob in blobs:
