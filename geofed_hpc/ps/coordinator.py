@@ -78,6 +78,8 @@ class Coordinator:
         self.persistence = Persistence(state, stamp)
         self.observer = Observer()
         self._restore()
+        if self.peer_sync:  # a peer that restarts: its sites may have failed over; a round waits for those back
+            self.sessions.quiet()
         if cfg.init_from:
             self._init_from(Path(cfg.init_from))
         with self._cond:
