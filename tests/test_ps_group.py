@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from geofed_hpc import codec
+from geofed_hpc.cli import main
 from geofed_hpc.config import CodecConfig, ModelConfig, RunConfig
 from geofed_hpc.errors import AuthError, ConfigError, GeofedError, MismatchError, UnavailableError
 from geofed_hpc.ps.app import ParameterServer
@@ -195,6 +196,9 @@ def test_three_peers_apply_identical_updates_and_know_each_others_pushes(peer_co
             assert group is not None and group.failed is None
             wait_for(lambda: group.stats.versions == [0, 1, 2, 3], "every version compared", 10)
             assert group.stats.identical == group.stats.compared == 4
+            st = clients[2].status()  # what `geofed-hpc status` shows of the group
+            assert [p.member for p in st.peers] == [True] * 3 and [p.version for p in st.peers] == [3] * 3
+            assert len({p.digest for p in st.peers}) == 1 and st.identical_versions == 4 and st.allreduce_bytes > 0
         finally:
             for c in clients:
                 c.close()
@@ -217,7 +221,9 @@ def push_round(clients: list[PSClient], sessions: list[str], version: int, param
     assert all(r.accepted for r in concurrently(clients, pushes))
 
 
-def test_a_stopped_peer_shrinks_the_group_and_rejoins_from_a_live_peer(tmp_path: Path) -> None:
+def test_a_stopped_peer_shrinks_the_group_and_rejoins_from_a_live_peer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     params = small_params()
     with group_of(3, peer_timeout="5s", state_dir=str(tmp_path / "ps")) as servers:
         clients = [client(s) for s in servers]
@@ -237,6 +243,9 @@ def test_a_stopped_peer_shrinks_the_group_and_rejoins_from_a_live_peer(tmp_path:
                 push_round(clients[:2], sessions[:2], version, params)
                 wait_for(lambda v=version: all(s.logic.version == v + 1 for s in live), f"version {version + 1}")
             assert all(s.group is not None and s.group.failed is None for s in live)
+            assert main(["status", f"ps.address={live[0].address}"]) == 0
+            shown = capsys.readouterr().out
+            assert "PS group generation 1: 2 of 3 peers" in shown and f"{gone_cfg.ps.peers[2]:<24}gone" in shown
             servers[2] = ParameterServer(gone_cfg)  # back on its port: taken back at the next sync point
             back = servers[2]
             wait_for(lambda: back.logic.initialized and back.logic.version == 3, "the rejoined peer at version 3")

@@ -67,6 +67,7 @@ class Coordinator:
         self._closing = False
         self.peer_sync = cfg.grouped  # one of a PS group: its sync points close rounds and seed or replace the model
         self._seeds: list[tuple[m.PushHeader, Params, str]] = []  # init pushes the group has yet to pick from
+        self.group_status: Callable[[m.StatusReply], None] | None = None  # adds what the PS group shows
         state = Path(cfg.state_dir).expanduser() if cfg.state_dir else None
         tokens = TokenVerifier(tokens_path(cfg.state_dir) if cfg.state_dir else None, cfg.enroll_token)
         idle_after = 3 * cfg.round_timeout.total_seconds()
@@ -119,7 +120,7 @@ class Coordinator:
     def status(self) -> m.StatusReply:
         with self._cond:
             now = self._clock()
-            return m.StatusReply(
+            reply = m.StatusReply(
                 self.model.version,
                 self.model.initialized,
                 self.cfg.aggregation,
@@ -134,6 +135,9 @@ class Coordinator:
                 len(self.model.downlink.versions()),
                 self.ledger.in_flight,
             )
+            if self.group_status is not None:
+                self.group_status(reply)
+            return reply
 
     def wait_model(self, request: m.ModelRequest, deadline: float) -> tuple[m.ModelHeader, bytes]:
         """The model (or the updates since the site's version) once it reaches `request.min_version`, or at

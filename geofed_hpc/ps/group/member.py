@@ -18,6 +18,7 @@ from geofed_hpc.ps.group.membership import Joined, connect, form, joiners, leave
 from geofed_hpc.ps.group.reduce import Reduced, merged, pack_state, reduce_round, unpack_state
 from geofed_hpc.ps.group.sync import Decision, SyncPoint, decide
 from geofed_hpc.ps.rounds import RoundTotals
+from geofed_hpc.rpc import messages as m
 
 if TYPE_CHECKING:
     from geofed_hpc.ps.coordinator import Coordinator
@@ -64,6 +65,7 @@ class PeerGroup:
         self._thread = threading.Thread(target=self._loop, name="ps-group", daemon=True)
         self._reduced: Reduced | None = None
         core.peer_sync = True
+        core.group_status = self.fill_status
 
     @property
     def rank(self) -> int:
@@ -95,6 +97,20 @@ class PeerGroup:
     @property
     def running(self) -> bool:
         return self._thread.is_alive()
+
+    def fill_status(self, reply: m.StatusReply) -> None:
+        """What `geofed-hpc status` shows of the group: each peer as the last sync point saw it, the generation,
+        the versions found identical, the last exchange of round sums."""
+        members, digests = self.joined.members, self.stats.digests
+        version = self.stats.versions[-1] if self.stats.versions else -1
+        for index, address in enumerate(self.cfg.peers):
+            rank = members.index(index) if index in members else -1
+            digest = digests[rank] if 0 <= rank < len(digests) else ""
+            reply.peers.append(m.PeerStatus(address, rank >= 0, version if rank >= 0 else -1, digest))
+        t = self.stats.traffic
+        reply.group_generation, reply.identical_versions = self.joined.generation, self.stats.identical
+        reply.allreduce_s, reply.allreduce_bytes = t.seconds, t.nbytes
+        reply.allreduce_ago_s = time.time() - t.at if t.at else -1.0
 
     def _loop(self) -> None:
         while not self._stop.wait(self.cfg.peer_tick.total_seconds()):
