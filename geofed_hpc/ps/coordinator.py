@@ -458,7 +458,11 @@ class Coordinator:
             return reply
         deadline = time.monotonic() + 0.9 * self.cfg.rpc_timeout.total_seconds()
         with self._cond:
-            while self.model.version <= reply.version and not self._closing and time.monotonic() < deadline:
+
+            def waiting() -> bool:  # its round not yet applied, nor refused (an update that was not finite)
+                return self.model.version <= reply.version and self.ledger.reply(header.push_id).accepted
+
+            while waiting() and not self._closing and time.monotonic() < deadline:
                 self._cond.wait(timeout=1.0)
             if self.model.version <= reply.version and self._closing:
                 raise UnavailableError("this parameter server stopped before the group applied the push: push again")
