@@ -225,7 +225,7 @@ def test_a_stopped_peer_shrinks_the_group_and_rejoins_from_a_live_peer(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     params = small_params()
-    with group_of(3, peer_timeout="5s", state_dir=str(tmp_path / "ps")) as servers:
+    with group_of(3, peer_timeout="8s", state_dir=str(tmp_path / "ps")) as servers:
         clients = [client(s) for s in servers]
         try:
             sessions = [c.join(m.JoinRequest(f"site-{i}")).session_id for i, c in enumerate(clients)]
@@ -263,7 +263,7 @@ def test_a_stopped_peer_shrinks_the_group_and_rejoins_from_a_live_peer(
 
 def test_a_site_fails_over_to_the_next_peer_and_its_push_is_applied_once() -> None:
     params = small_params()
-    with group_of(2, peer_timeout="5s", peer_codec="fp32") as servers:
+    with group_of(2, peer_timeout="8s", peer_codec="fp32") as servers:
         near, far = servers[1], servers[0]  # the site's nearest PS is peer 1; peer 0 is the next on its list
         site = PSClient(ps_config(failover_after="1s", retry_budget="60s"), f"{near.address},{far.address}")
         other = client(far)
