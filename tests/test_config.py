@@ -154,13 +154,22 @@ LIST_FIELDS = [
     ("ps.tls_sites", "osc"),
     ("codec.adaptive_codecs", "int8"),
     ("paradigm.targets", "attn.qkv"),
+    ("ps.peers", "vm.example.org:50051"),
 ]
+# What a list field needs beside it to make a valid config.
+BESIDE = {"ps.peers": ["ps.peer_rank=0", "ps.peers=[vm.example.org:50051,b.example.org:50051]"]}
 
 
 @pytest.mark.parametrize("key, value", LIST_FIELDS)
 def test_a_single_value_for_a_list_field_is_a_one_element_list(key: str, value: str) -> None:
-    cfg, _ = compose_config([f"{key}={value}"])
     section, name = key.split(".")
+    if key in BESIDE:  # one value alone is no valid config of this field: the list is checked as one element
+        with pytest.raises(ConfigError, match=r"ps.peer_rank: .* got 1 peer\(s\)"):  # read as a list of one
+            compose_config([f"{key}={value}", BESIDE[key][0]])
+        cfg, _ = compose_config(BESIDE[key])
+        assert getattr(getattr(cfg, section), name)[0] == value
+        return
+    cfg, _ = compose_config([f"{key}={value}"])
     assert getattr(getattr(cfg, section), name) == [value]
 
 

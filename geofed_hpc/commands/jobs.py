@@ -212,6 +212,17 @@ def cmd_status(cfg: RunConfig) -> int:
         cells = [s.version, s.pushes, ago(s.last_push_s), s.last_staleness, f"{s.tokens:,}", size(s.bytes_received)]
         cells += [f"{s.last_train_loss:.4f}", s.refused, ago(s.last_seen_s)]
         print(f"{s.site:<16}{s.state:<8}" + "".join(f"{c!s:>11}" for c in cells))
+    if st.peers:  # one of a PS group
+        members = sum(p.member for p in st.peers)
+        rate = st.allreduce_bytes / st.allreduce_s / 1e6 if st.allreduce_s > 0 else 0.0
+        print(
+            f"\nPS group generation {st.group_generation}: {members} of {len(st.peers)} peers, "
+            f"{st.identical_versions} versions identical on every peer; last all-reduce {size(st.allreduce_bytes)} "
+            f"in {st.allreduce_s:.3f}s ({rate:.1f} MB/s, {ago(st.allreduce_ago_s)} ago)"
+        )
+        print(f"{'peer':<24}{'member':<8}{'version':>9}  digest")
+        for p in st.peers:
+            print(f"{p.address:<24}{'yes' if p.member else 'gone':<8}{p.version if p.member else '-':>9}  {p.digest}")
     return 0
 
 

@@ -161,7 +161,7 @@ def check_ps(cfg: RunConfig, address: str, probe: bool = True) -> list[Finding]:
         who = "Slurm site jobs" if cfg.site.executor == "slurm" else "site jobs"
         return [Finding("error", "ps", f"ps.address: {who} dial the parameter server; set ps.address=host:port")]
     try:
-        host, _ = split_host_port(address)
+        host, _ = split_host_port(address.split(",")[0])  # several: the nearest PS of a group
     except ValueError as exc:
         return [Finding("error", "ps", f"ps.address: {exc}; give the PS's host:port, e.g. ps.address=vm:50051")]
     if not ps.insecure:

@@ -112,6 +112,20 @@ def _host_port(value: str) -> str:
 HostPort = Annotated[str, AfterValidator(_host_port)]
 
 
+def _joined(value: Any) -> Any:
+    return ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _host_ports(value: str) -> str:
+    for part in value.split(",") if value else []:
+        split_host_port(part)
+    return value
+
+
+# One host:port or several ([a:port, b:port], kept as "a:port,b:port": most code dials the first), or empty.
+HostPorts = Annotated[str, BeforeValidator(_joined), AfterValidator(_host_ports)]
+
+
 def check(cond: bool, name: str, message: str) -> None:
     """A check that spans fields (in a section's __post_init__): ConfigError naming `name` when `cond` fails."""
     if not cond:

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
 from geofed_hpc.config.codec import WIRE_CODECS
-from geofed_hpc.config.fields import Duration, HostPort, Name, OneOrMany, check, choice, pattern
+from geofed_hpc.config.fields import Duration, HostPort, HostPorts, Name, OneOrMany, check, choice, pattern
 from geofed_hpc.config.section import section
 
 Port = Annotated[StrictInt, Field(ge=0, le=65535)]
@@ -25,8 +25,11 @@ class PSConfig:
     """The address the PS listens on."""
     port: Port = 0
     """The port it listens on (0: a free one, picked at start)."""
-    address: HostPort = ""
-    """host:port where sites dial ("": host:port above)."""
+    address: HostPorts = ""
+    """host:port where sites dial ("": host:port above); with a PS group several, nearest first
+    ([a:50051,b:50051]): a site fails over to the next when its PS is gone."""
+    failover_after: Duration = timedelta(seconds=10)
+    """With several ps.address: a PS that does not answer for this long is left for the next one."""
     insecure: StrictBool = True
     """Plaintext gRPC (local demos only); false: TLS with the files below."""
     cert_file: str = ""
@@ -125,6 +128,23 @@ class PSConfig:
     """Prometheus /metrics of the PS on this port (0: no endpoint)."""
     metrics_host: str = ""
     """The host of /metrics ("": host above)."""
+    peers: Annotated[list[HostPort], OneOrMany] = field(default_factory=list)
+    """A PS group: every member's host:port (where its sites dial), the same list in the same order on each
+    ([]: a single PS)."""
+    peer_rank: Annotated[StrictInt, Field(ge=-1)] = -1
+    """This PS's index in ps.peers (-1: no group)."""
+    peer_rendezvous: HostPort = ""
+    """The group's rendezvous (a TCP store that peer 0 serves) ("": peer 0's host, its port + 1)."""
+    peer_secret: str = ""
+    """The secret every peer proves it knows at rendezvous (an HMAC, never sent)."""
+    peer_secret_file: str = ""
+    """A file holding ps.peer_secret (its first line), kept out of command lines."""
+    peer_timeout: Duration = timedelta(seconds=60)
+    """How long the rendezvous waits for every peer, and one exchange between peers may take."""
+    peer_tick: Annotated[Duration, Field(ge=timedelta(milliseconds=10))] = timedelta(milliseconds=200)
+    """How often the peers compare their rounds (whether the group's round may close)."""
+    peer_codec: Literal["int8", "fp32"] = "int8"
+    """How round sums travel between peers: int8 (all-gathered, 4x smaller) or fp32 (a ring all-reduce)."""
 
     def __post_init__(self) -> None:
         check(
@@ -169,6 +189,30 @@ class PSConfig:
             for key in ("client_ca_file", "client_cert_file"):
                 check(not getattr(self, key), f"ps.{key}", "mutual TLS needs TLS: set ps.insecure=false")
 
+        if self.peers or self.peer_rank >= 0:
+            check(
+                len(self.peers) >= 2 and 0 <= self.peer_rank < len(self.peers),
+                "ps.peer_rank",
+                f"a PS group needs ps.peers (2 or more) and ps.peer_rank in 0..{len(self.peers) - 1}, got "
+                f"{len(self.peers)} peer(s) and rank {self.peer_rank}",
+            )
+            check(len(set(self.peers)) == len(self.peers), "ps.peers", f"lists a peer twice: {self.peers}")
+            check(
+                self.aggregation == "sync" and self.robust == "none",
+                "ps.peers",
+                "a PS group all-reduces the weighted sums of synchronous rounds: use ps.aggregation=sync and "
+                "ps.robust=none",
+            )
+
+    @property
+    def grouped(self) -> bool:
+        """This PS is one of a group (ps.peers)."""
+        return bool(self.peers)
+
     def dial_address(self) -> str:
-        """The host:port clients dial (ps.address, else host:port)."""
-        return self.address or f"{self.host}:{self.port}"
+        """The host:port clients dial (ps.address, the nearest when it lists several; else host:port)."""
+        return self.dial_addresses()[0]
+
+    def dial_addresses(self) -> list[str]:
+        """Every host:port clients may dial, nearest first (ps.address, else host:port)."""
+        return self.address.split(",") if self.address else [f"{self.host}:{self.port}"]

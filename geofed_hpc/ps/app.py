@@ -17,6 +17,8 @@ from geofed_hpc.log import logger
 from geofed_hpc.metrics.prometheus import PrometheusExporter
 from geofed_hpc.metrics.recorder import Recorder
 from geofed_hpc.paradigms import exchange_for
+from geofed_hpc.ps.group.member import PeerGroup
+from geofed_hpc.ps.group.rendezvous import identity
 from geofed_hpc.ps.servicer import ParameterServerLogic
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.server import start_server
@@ -81,10 +83,13 @@ class ParameterServer:
         except BaseException:
             self.logic.staging.close()
             raise
+        self.group: PeerGroup | None = None
         self.exporter: PrometheusExporter | None = None
         self.recorder: Recorder | None = None
         self._logged: tuple[int, float] | None = None
         try:
+            if cfg.ps.grouped:  # meets its peers first: a peer that differs or never comes stops this PS here
+                self.group = PeerGroup(self.logic.core, cfg.ps, identity(cfg), cfg.codec)
             if cfg.ps.metrics_port > 0:
                 self.exporter = PrometheusExporter()
                 self.exporter.serve(cfg.ps.metrics_host or cfg.ps.host, cfg.ps.metrics_port)
@@ -101,6 +106,8 @@ class ParameterServer:
         self._stopped = False
         self._ticker = threading.Thread(target=self._tick_loop, name="ps-ticker", daemon=True)
         self._ticker.start()
+        if self.group is not None:
+            self.group.start()
 
     @property
     def address(self) -> str:
@@ -174,6 +181,8 @@ class ParameterServer:
         self._served.drain(grace)
         self._stop.set()
         self._ticker.join(timeout=5)
+        if self.group is not None:
+            self.group.stop()
         self.logic.finish()
         if self.split is not None:
             self.split.close()
@@ -196,5 +205,10 @@ class ParameterServer:
         while not done.wait(1.0):
             if every_second is not None:
                 every_second()
-        logger.info("signal received")
+            if self.group is not None and self.group.failed is not None:
+                break
+        failed = self.group.failed if self.group is not None else None
+        logger.info("PS group failed: stopping" if failed else "signal received")
         self.stop()
+        if failed is not None:
+            raise failed

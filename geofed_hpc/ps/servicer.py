@@ -120,7 +120,7 @@ class ParameterServerLogic:
                 raise
         if scratch is not None:
             self.core.end_push(session, header.push_id, refused=False)
-            return reply
+            return self.core.settled(reply, header)
         try:
             reply = self._decoders.submit(self._apply_staged, session, header, path).result()
         except BaseException as exc:
@@ -129,7 +129,7 @@ class ParameterServerLogic:
         finally:
             path.unlink(missing_ok=True)
         self.core.end_push(session, header.push_id, refused=False)
-        return reply
+        return self.core.settled(reply, header)
 
     @contextmanager
     def _slot(self, limit: threading.BoundedSemaphore, what: str) -> Iterator[None]:

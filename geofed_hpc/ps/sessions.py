@@ -186,6 +186,12 @@ class SessionTable:
         session.leaving = True
         logger.info("site %s left", session.site)
 
+    def quiet(self) -> None:
+        """Count every session idle until it is seen again (a PS that took a PS group's state: its sites may have
+        moved to a peer meanwhile, and a round must not wait for them)."""
+        for session in self.sessions.values():
+            session.last_seen = self._clock() - self.idle_after - 1.0
+
     def to_json(self) -> list[dict[str, Any]]:
         return [{"id": sid, **{k: getattr(s, k) for k in _PERSISTED}} for sid, s in self.sessions.items()]
 

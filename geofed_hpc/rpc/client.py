@@ -32,19 +32,30 @@ DIAGNOSE_TIMEOUT = timedelta(seconds=3)
 
 
 class PSClient:
-    """A connection to one parameter server; every call returns rpc.messages dataclasses."""
+    """A connection to a parameter server; every call returns rpc.messages dataclasses. Given several addresses
+    ("a:port,b:port", the peers of a PS group, nearest first) it dials the first, and moves to the next when the
+    one it dials has not answered for ps.failover_after (a call then meets a PS that does not know the session:
+    AuthError, and the site joins it)."""
 
     def __init__(self, cfg: PSConfig, address: str | None = None) -> None:
         self.cfg = cfg
-        self.address = address or cfg.dial_address()
-        if cfg.insecure:
-            self._channel = grpc.insecure_channel(self.address, options=client_options(cfg))
-        else:
-            self._channel = grpc.secure_channel(self.address, channel_credentials(cfg), options=client_options(cfg))
+        self.addresses = (address or cfg.address or cfg.dial_address()).split(",")
         self._calls: dict[str, Any] = {}
         self.last_pull_wait_s = 0.0
         # asked before each retry: a site that is told to stop (Slurm's warning signal) stops retrying at once
         self.keep_retrying: Callable[[], bool] = lambda: True
+        self._failing_since: float | None = None  # when the address dialled now stopped answering
+        self._dial(0)
+
+    def _dial(self, index: int) -> None:
+        """Open a channel to addresses[index]."""
+        cfg = self.cfg
+        self._index = index
+        self.address = self.addresses[index]
+        if cfg.insecure:
+            self._channel = grpc.insecure_channel(self.address, options=client_options(cfg))
+        else:
+            self._channel = grpc.secure_channel(self.address, channel_credentials(cfg), options=client_options(cfg))
         for meth in serde.METHODS:
             kind = (
                 self._channel.stream_stream
@@ -64,6 +75,25 @@ class PSClient:
     def close(self) -> None:
         self._channel.close()
 
+    def failover(self) -> bool:
+        """Dial the next address (after the last, the first again); False when there is only one."""
+        if len(self.addresses) < 2:
+            return False
+        gone = self.address
+        self._channel.close()
+        self._dial((self._index + 1) % len(self.addresses))
+        self._failing_since = None
+        logger.warning("parameter server %s does not answer: failing over to %s", gone, self.address)
+        return True
+
+    def _unanswered(self) -> None:
+        """A call found the PS unreachable: fail over once it has been so for ps.failover_after."""
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+        elif now - self._failing_since >= self.cfg.failover_after.total_seconds():
+            self.failover()
+
     def __enter__(self) -> PSClient:
         return self
 
@@ -73,8 +103,18 @@ class PSClient:
     def connect(self, timeout: timedelta | None = None) -> None:
         """Wait until the server answers, retrying with backoff, never past `timeout` (ps.connect_timeout); raise
         UnavailableError naming the address. Something that answers but not as configured (TLS against plaintext,
-        a CA that does not verify it, a client certificate it refuses) is named at once: retrying cannot help."""
+        a CA that does not verify it, a client certificate it refuses) is named at once: retrying cannot help.
+        With several addresses each but the last is given ps.failover_after, in order, until one answers."""
         timeout = timeout or self.cfg.connect_timeout
+        for _ in range(len(self.addresses) - 1):
+            try:
+                return self._connect(min(timeout, self.cfg.failover_after))
+            except UnavailableError as exc:
+                logger.warning("%s", exc)
+                self.failover()
+        return self._connect(timeout)
+
+    def _connect(self, timeout: timedelta) -> None:
         deadline = time.monotonic() + timeout.total_seconds()
         wait, attempt, why = 0.5, 0, None
         while True:
@@ -116,9 +156,13 @@ class PSClient:
         backoff = Backoff(self.cfg.retry_budget if budget is None else budget)
         while True:
             try:
-                return fn()
+                result = fn()
+                self._failing_since = None
+                return result
             except grpc.RpcError as exc:
                 code = exc.code()
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    self._unanswered()
                 wait = backoff.next_wait() if code in _RETRYABLE and self.keep_retrying() else None
                 if wait is None:
                     error = self._error(name, exc)
@@ -155,17 +199,17 @@ class PSClient:
     def heartbeat(
         self, request: m.HeartbeatRequest, budget: timedelta = QUICK_BUDGET, timeout: timedelta | None = None
     ) -> m.HeartbeatReply:
-        call, seconds = self._calls["Heartbeat"], timeout.total_seconds() if timeout else self._quick()
-        return self._call("Heartbeat", lambda: call(request, timeout=seconds), budget)
+        seconds = timeout.total_seconds() if timeout else self._quick()  # the channel of the moment (failover)
+        return self._call("Heartbeat", lambda: self._calls["Heartbeat"](request, timeout=seconds), budget)
 
     def status(self) -> m.StatusReply:
-        call = self._calls["Status"]
-        return self._call("Status", lambda: call(m.StatusRequest(), timeout=self._quick()), QUICK_BUDGET)
+        return self._call(
+            "Status", lambda: self._calls["Status"](m.StatusRequest(), timeout=self._quick()), QUICK_BUDGET
+        )
 
     def health(self, service: str = serde.SERVICE) -> str:
         """The grpc.health.v1 status of `service` ("" for the whole server): SERVING, NOT_SERVING, ..."""
-        check = serde.health_check(self._channel)
-        return self._call("Health", lambda: check(service, self._quick()), QUICK_BUDGET)
+        return self._call("Health", lambda: serde.health_check(self._channel)(service, self._quick()), QUICK_BUDGET)
 
     def pull_model(
         self,

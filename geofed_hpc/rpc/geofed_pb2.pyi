@@ -235,7 +235,7 @@ class SiteStatus(_message.Message):
     def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., pushes: _Optional[int] = ..., last_base_version: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., tokens: _Optional[int] = ..., last_train_loss: _Optional[float] = ..., state: _Optional[str] = ..., last_push_s: _Optional[float] = ..., last_staleness: _Optional[int] = ..., bytes_received: _Optional[int] = ..., version: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "initialized", "aggregation", "num_params", "uptime_s", "sites", "pending_deltas", "outer_optimizer", "robust", "active_sites", "snapshot_version", "updates_kept", "pushes_in_flight")
+    __slots__ = ("version", "initialized", "aggregation", "num_params", "uptime_s", "sites", "pending_deltas", "outer_optimizer", "robust", "active_sites", "snapshot_version", "updates_kept", "pushes_in_flight", "peers", "group_generation", "identical_versions", "allreduce_s", "allreduce_bytes", "allreduce_ago_s")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +249,12 @@ class StatusReply(_message.Message):
     SNAPSHOT_VERSION_FIELD_NUMBER: _ClassVar[int]
     UPDATES_KEPT_FIELD_NUMBER: _ClassVar[int]
     PUSHES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    IDENTICAL_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCE_S_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALLREDUCE_AGO_S_FIELD_NUMBER: _ClassVar[int]
     version: int
     initialized: bool
     aggregation: str
@@ -262,4 +268,22 @@ class StatusReply(_message.Message):
     snapshot_version: int
     updates_kept: int
     pushes_in_flight: int
-    def __init__(self, version: _Optional[int] = ..., initialized: _Optional[bool] = ..., aggregation: _Optional[str] = ..., num_params: _Optional[int] = ..., uptime_s: _Optional[float] = ..., sites: _Optional[_Iterable[_Union[SiteStatus, _Mapping]]] = ..., pending_deltas: _Optional[int] = ..., outer_optimizer: _Optional[str] = ..., robust: _Optional[str] = ..., active_sites: _Optional[int] = ..., snapshot_version: _Optional[int] = ..., updates_kept: _Optional[int] = ..., pushes_in_flight: _Optional[int] = ...) -> None: ...
+    peers: _containers.RepeatedCompositeFieldContainer[PeerStatus]
+    group_generation: int
+    identical_versions: int
+    allreduce_s: float
+    allreduce_bytes: int
+    allreduce_ago_s: float
+    def __init__(self, version: _Optional[int] = ..., initialized: _Optional[bool] = ..., aggregation: _Optional[str] = ..., num_params: _Optional[int] = ..., uptime_s: _Optional[float] = ..., sites: _Optional[_Iterable[_Union[SiteStatus, _Mapping]]] = ..., pending_deltas: _Optional[int] = ..., outer_optimizer: _Optional[str] = ..., robust: _Optional[str] = ..., active_sites: _Optional[int] = ..., snapshot_version: _Optional[int] = ..., updates_kept: _Optional[int] = ..., pushes_in_flight: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., group_generation: _Optional[int] = ..., identical_versions: _Optional[int] = ..., allreduce_s: _Optional[float] = ..., allreduce_bytes: _Optional[int] = ..., allreduce_ago_s: _Optional[float] = ...) -> None: ...
+
+class PeerStatus(_message.Message):
+    __slots__ = ("address", "member", "version", "digest")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    member: bool
+    version: int
+    digest: str
+    def __init__(self, address: _Optional[str] = ..., member: _Optional[bool] = ..., version: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...

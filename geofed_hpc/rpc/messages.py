@@ -153,6 +153,16 @@ class SiteStatus:
 
 
 @dataclass
+class PeerStatus:
+    """One peer of a PS group as a member saw it at its last sync point."""
+
+    address: str
+    member: bool
+    version: int = -1
+    digest: str = ""
+
+
+@dataclass
 class StatusReply:
     version: int
     initialized: bool
@@ -167,3 +177,9 @@ class StatusReply:
     snapshot_version: int = -1
     updates_kept: int = 0
     pushes_in_flight: int = 0
+    peers: list[PeerStatus] = field(default_factory=list)
+    group_generation: int = 0
+    identical_versions: int = 0
+    allreduce_s: float = 0.0
+    allreduce_bytes: int = 0
+    allreduce_ago_s: float = -1.0

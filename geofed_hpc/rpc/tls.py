@@ -64,8 +64,8 @@ def tls_files(cfg: PSConfig) -> TLSFiles:
 def server_names(cfg: PSConfig) -> list[str]:
     """SANs for the server certificate: ps.tls_names, ps.address's host, ps.host, this machine, loopback."""
     names = list(cfg.tls_names)
-    if cfg.address:
-        names.append(cfg.address.rsplit(":", 1)[0])
+    for address in cfg.address.split(",") if cfg.address else []:
+        names.append(address.rsplit(":", 1)[0])
     if cfg.host not in ("", "0.0.0.0", "::", "[::]"):
         names.append(cfg.host)
     names += [socket.gethostname(), socket.getfqdn(), "localhost", "127.0.0.1", "::1"]

@@ -1,0 +1,161 @@
+"""The PS group's rendezvous: a TCP store, each peer's identity proven with the shared secret, a gloo group."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, cast
+
+import torch.distributed as dist
+
+from geofed_hpc.config import PSConfig, RunConfig, to_dict
+from geofed_hpc.config.fields import split_host_port
+from geofed_hpc.errors import ConfigError, MismatchError, UnavailableError
+from geofed_hpc.ps.group.collectives import Group, PeerLost
+
+POLL = timedelta(milliseconds=50)
+
+
+def identity(cfg: RunConfig) -> dict[str, Any]:
+    """What peers must agree on to keep one model: the model, paradigm, codecs, outer optimizer and peer list."""
+    return {
+        "model": to_dict(cfg.model),
+        "paradigm": cfg.paradigm.describe(),
+        "codec": cfg.codec.name,
+        "peer_codec": cfg.ps.peer_codec,
+        "outer_optimizer": [cfg.ps.outer_optimizer, cfg.ps.global_lr, cfg.ps.momentum, cfg.ps.weighting],
+        "peers": list(cfg.ps.peers),
+    }
+
+
+def rendezvous_address(cfg: PSConfig) -> tuple[str, int]:
+    """Where peer 0 serves the group's TCP store: ps.peer_rendezvous, else peer 0's host at its port + 1."""
+    if cfg.peer_rendezvous:
+        return split_host_port(cfg.peer_rendezvous)
+    host, port = split_host_port(cfg.peers[0])
+    return host, port + 1
+
+
+def peer_secret(cfg: PSConfig) -> bytes:
+    """The group's shared secret: ps.peer_secret, else the first line of ps.peer_secret_file ("": none)."""
+    if cfg.peer_secret and cfg.peer_secret_file:
+        raise ConfigError("ps.peer_secret_file: set either ps.peer_secret or ps.peer_secret_file, not both")
+    if not cfg.peer_secret_file:
+        return cfg.peer_secret.encode()
+    path = Path(cfg.peer_secret_file).expanduser()
+    try:
+        return path.read_text().splitlines()[0].strip().encode() if path.stat().st_size else b""
+    except OSError as exc:
+        raise ConfigError(f"ps.peer_secret_file: cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _proof(secret: bytes, nonce: bytes, identity: bytes) -> str:
+    return hmac.new(secret, nonce + identity, hashlib.sha256).hexdigest()
+
+
+def _describe(key: str, value: Any, other: Any) -> str:
+    """`value` as the error shows it: for a dict, only the fields where it differs from `other`."""
+    if isinstance(value, dict) and isinstance(other, dict):
+        diff = {k: value.get(k) for k in sorted(set(value) | set(other)) if value.get(k) != other.get(k)}
+        name = value.get("name", "")
+        return f"{key} {name} {json.dumps(diff)}" if name else f"{key} {json.dumps(diff)}"
+    return f"{key} {json.dumps(value)}"
+
+
+def check_identities(cfg: PSConfig, mine: dict[str, Any], theirs: dict[int, dict[str, Any]]) -> None:
+    """MismatchError naming both sides when a peer runs another model, paradigm, codec or peer list."""
+    me = f"this PS (peer {cfg.peer_rank}, {cfg.peers[cfg.peer_rank]})"
+    for rank, identity in sorted(theirs.items()):
+        peer = f"peer {rank} ({cfg.peers[rank]})"
+        for key in mine:
+            if identity.get(key) != mine[key]:
+                raise MismatchError(
+                    f"refused at the PS group's rendezvous: {peer} has {_describe(key, identity.get(key), mine[key])}"
+                    f", {me} has {_describe(key, mine[key], identity.get(key))}: every peer must run the same "
+                    "model, paradigm, codec and ps.peers list"
+                )
+
+
+def _wait_keys(store: dist.Store, keys: dict[int, str], timeout: timedelta, what: str, cfg: PSConfig) -> None:
+    """Wait until every key is set; UnavailableError naming the peers that never came."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    missing = dict(keys)
+    while missing:
+        missing = {r: k for r, k in missing.items() if not store.check([k])}
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            names = ", ".join(f"peer {r} ({cfg.peers[r]})" for r in sorted(missing))
+            raise UnavailableError(
+                f"the PS group did not form: {names} did not {what} within {timeout.total_seconds():g}s "
+                "(ps.peer_timeout); is it started, with the same ps.peers, and reachable?"
+            )
+        time.sleep(POLL.total_seconds())
+
+
+def open_store(cfg: PSConfig) -> dist.Store:
+    """Peer 0 serves the group's TCP store; the others connect to it (waiting up to ps.peer_timeout)."""
+    host, port = rendezvous_address(cfg)
+    master = cfg.peer_rank == 0
+    try:
+        return dist.TCPStore(
+            host, port, len(cfg.peers), master, timeout=cfg.peer_timeout, wait_for_workers=False, use_libuv=True
+        )
+    except (RuntimeError, OSError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if master:
+            raise UnavailableError(f"peer 0 cannot serve the PS group's rendezvous on {host}:{port}: {first}") from None
+        raise UnavailableError(
+            f"the PS group's rendezvous on {host}:{port} (served by peer 0, {cfg.peers[0]}) did not answer within "
+            f"{cfg.peer_timeout.total_seconds():g}s (ps.peer_timeout): {first}"
+        ) from None
+
+
+def hello(cfg: PSConfig, identity: dict[str, Any], nonce: bytes) -> str:
+    """What this peer shows at the rendezvous: its identity and proof that it knows the shared secret."""
+    body = json.dumps(identity, sort_keys=True).encode()
+    return json.dumps({"identity": identity, "proof": _proof(peer_secret(cfg), nonce, body)})
+
+
+def check_hello(cfg: PSConfig, identity: dict[str, Any], rank: int, raw: bytes, nonce: bytes) -> None:
+    """MismatchError naming peer `rank` and this PS when its hello lacks the secret or shows another identity."""
+    got = json.loads(raw)
+    expected = _proof(peer_secret(cfg), nonce, json.dumps(got["identity"], sort_keys=True).encode())
+    if not hmac.compare_digest(expected, str(got.get("proof", ""))):
+        raise MismatchError(
+            f"refused at the PS group's rendezvous: peer {rank} ({cfg.peers[rank]}) does not prove the shared "
+            f"secret this PS (peer {cfg.peer_rank}) holds: set the same ps.peer_secret (or ps.peer_secret_file) "
+            "on every peer"
+        )
+    check_identities(cfg, identity, {rank: got["identity"]})
+
+
+def meet(cfg: PSConfig, identity: dict[str, Any], store: dist.Store) -> None:
+    """Every peer proves it knows the shared secret and shows what it runs; a peer that differs is refused, named."""
+    if cfg.peer_rank == 0:
+        store.set("gen0/nonce", os.urandom(16).hex())
+    _wait_keys(store, {0: "gen0/nonce"}, cfg.peer_timeout, "open the rendezvous", cfg)
+    nonce = store.get("gen0/nonce")
+    store.set(f"gen0/hello/{cfg.peer_rank}", hello(cfg, identity, nonce))
+    others = {r: f"gen0/hello/{r}" for r in range(len(cfg.peers)) if r != cfg.peer_rank}
+    _wait_keys(store, others, cfg.peer_timeout, "arrive at the rendezvous", cfg)
+    for rank, key in others.items():
+        check_hello(cfg, identity, rank, store.get(key), nonce)
+
+
+def gloo_group(store: dist.Store, rank: int, size: int, generation: int, host: str, timeout: timedelta) -> Group:
+    """A gloo process group of `size` members over `store` (keys under this generation's prefix), bound to `host`;
+    every collective on it fails after `timeout`."""
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # as torch's own group helper does
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = timeout
+    try:
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(f"gen{generation}/pg/", store), rank, size, options)
+    except RuntimeError as exc:
+        raise PeerLost(f"the PS group's gloo connections did not form: {str(exc).splitlines()[0]}") from None
+    return cast(Group, pg)

@@ -1,0 +1,75 @@
+"""What each peer shows at a sync point, and the one decision every peer draws from all of them alike."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+Action = Literal["wait", "reform", "seed", "adopt", "mismatch", "close"]
+
+
+@dataclass
+class SyncPoint:
+    """One PS's state at a sync point: its model (initialized, version, digest), its open round (deltas, whether
+    every active site pushed, whether its deadline passed) and whether a site offered it an initial model."""
+
+    initialized: bool
+    version: int
+    digest: str
+    count: int
+    complete: bool
+    timed_out: bool
+    seeds: bool = False
+    joiners: list[int] = field(default_factory=list)  # peer 0: peers of ps.peers waiting to be taken back
+
+    def pack(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def unpack(cls, data: bytes) -> SyncPoint:
+        return cls(**json.loads(data))
+
+
+@dataclass
+class Decision:
+    """What the group does at this sync point: `source` is the peer whose model the others take (seed, adopt) or
+    the majority's digest (mismatch); `peers` the ones that take it, or that differ from the majority."""
+
+    action: Action
+    source: int = -1
+    peers: list[int] = field(default_factory=list)
+    majority: str = ""
+
+
+def decide(points: list[SyncPoint]) -> Decision:
+    """The same decision on every peer, from every peer's SyncPoint in rank order:
+
+    peers asked to come back: the group re-forms with them (reform); no model anywhere: the lowest peer a site
+    offered a model seeds the group (seed); a peer without the newest version takes the model of the lowest peer
+    that has it (adopt); the same version under different digests stops the peers outside the majority (mismatch;
+    all of them without a majority); else the group's round closes once it holds a delta and every peer's sites
+    pushed or any peer's deadline passed (close)."""
+    joiners = sorted({j for p in points for j in p.joiners})
+    if joiners:
+        return Decision("reform", peers=joiners)
+    ready = [i for i, p in enumerate(points) if p.initialized]
+    if not ready:
+        seeders = [i for i, p in enumerate(points) if p.seeds]
+        if not seeders:
+            return Decision("wait")
+        return Decision("seed", seeders[0], [i for i in range(len(points)) if i != seeders[0]])
+    top = max(points[i].version for i in ready)
+    source = min(i for i in ready if points[i].version == top)
+    behind = [i for i, p in enumerate(points) if not p.initialized or p.version != top]
+    if behind:
+        return Decision("adopt", source, behind)
+    digests = Counter(p.digest for p in points)
+    if len(digests) > 1:
+        digest, votes = digests.most_common(1)[0]
+        majority = digest if 2 * votes > len(points) else ""
+        return Decision("mismatch", source, [i for i, p in enumerate(points) if p.digest != majority], majority)
+    if sum(p.count for p in points) and (all(p.complete for p in points) or any(p.timed_out for p in points)):
+        return Decision("close")
+    return Decision("wait")
