@@ -17,13 +17,12 @@ from geofed_hpc.log import logger
 from geofed_hpc.metrics.prometheus import PrometheusExporter
 from geofed_hpc.metrics.recorder import Recorder
 from geofed_hpc.paradigms import exchange_for
-from geofed_hpc.ps.group.member import PeerGroup
-from geofed_hpc.ps.group.rendezvous import identity
 from geofed_hpc.ps.servicer import ParameterServerLogic
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.server import start_server
 
 if TYPE_CHECKING:
+    from geofed_hpc.ps.group.member import PeerGroup
     from geofed_hpc.ps.split.service import SplitService
 
 TICK = timedelta(milliseconds=500)
@@ -89,6 +88,9 @@ class ParameterServer:
         self._logged: tuple[int, float] | None = None
         try:
             if cfg.ps.grouped:  # meets its peers first: a peer that differs or never comes stops this PS here
+                from geofed_hpc.ps.group.member import PeerGroup  # torch.distributed, only for a PS in a group
+                from geofed_hpc.ps.group.rendezvous import identity
+
                 self.group = PeerGroup(self.logic.core, cfg.ps, identity(cfg), cfg.codec)
             if cfg.ps.metrics_port > 0:
                 self.exporter = PrometheusExporter()
