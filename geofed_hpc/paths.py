@@ -37,11 +37,10 @@ def writable_dir(path: str | Path, setting: str, make: bool = True) -> Path:
     """`path` (with `~` expanded) as a folder this process can write in, made with its parents; ConfigError naming
     `setting` (the config key or argument it came from) when it cannot be. With `make=False` nothing is created:
     the nearest folder that exists on the way is tried instead (for commands that make the folder only on success)."""
-    folder = Path(path).expanduser()
+    folder = tried = Path(path).expanduser()
     try:
         if folder.exists() and not folder.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(folder))
-        tried = folder
         if make:
             folder.mkdir(parents=True, exist_ok=True)
         else:
@@ -54,6 +53,6 @@ def writable_dir(path: str | Path, setting: str, make: bool = True) -> Path:
         os.unlink(probe)
     except OSError as exc:
         name = Path(str(exc.filename)) if exc.filename else folder
-        where = str(folder) if folder in (name, name.parent) else f"{folder} (at {name})"
+        where = str(folder) if {folder, tried} & {name, name.parent} else f"{folder} (at {name})"
         raise ConfigError(f"{setting}: cannot write in {where}: {os_reason(exc)}") from None
     return folder

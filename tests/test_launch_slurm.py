@@ -21,6 +21,9 @@ DATA = Path(__file__).parent / "data" / "sbatch"
 CLI = [sys.executable, "-m", "geofed_hpc.cli"]
 # A login node's environment, fixed so that the recorded previews do not depend on who runs the tests.
 LOGIN_ENV = {"HOME": "/home/alice", "USER": "alice", "SCRATCH": "/scratch/alice", "WORK": "/work/alice"}
+# A login node of the shipped clusters has its own Slurm: sinfo and sacctmgr that know their partitions and accounts
+# (shadowing whatever Slurm this machine runs, whose partitions are not theirs).
+LOGIN_SLURM = ("gpu\\ngh\\n", "pas0000\\nabc23456\\n")
 RECORD = os.environ.get("GEOFED_RECORD_SBATCH") == "1"  # rewrite tests/data/sbatch/*.sh instead of comparing
 
 
@@ -168,11 +171,15 @@ def test_a_slurm_launch_needs_the_ps_address(tmp_path: Path) -> None:
     assert result.returncode == 2 and "ps.address: Slurm site jobs dial the parameter server" in result.stderr
 
 
+def login_env(tmp_path: Path) -> dict[str, str]:
+    return {**LOGIN_ENV, **_fake_slurm(tmp_path / "login-bin", *LOGIN_SLURM)}
+
+
 def test_dry_run_prints_one_batch_file_per_site_and_submits_nothing(tmp_path: Path) -> None:
     result = cli(
         ["launch", "site=osc,tacc", "ps.address=vm.example.org:50051", "--dry-run"],
         tmp_path,
-        **LOGIN_ENV,
+        **login_env(tmp_path),
     )
     assert result.returncode == 0, result.stderr
     headers = [line for line in result.stdout.splitlines() if line.startswith("# ---- ")]
@@ -187,7 +194,7 @@ def test_one_setup_line_given_as_a_string_is_one_line_of_the_batch_file(tmp_path
     result = cli(
         ["launch", "site=osc", "ps.address=vm.example.org:50051", "site.setup=module load cuda", "--dry-run"],
         tmp_path,
-        **LOGIN_ENV,
+        **login_env(tmp_path),
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("# setup\n", 1)[1].split("\n\n", 1)[0].splitlines() == ["module load cuda"]
@@ -271,7 +278,9 @@ def test_dry_run_shows_expanded_paths_and_the_federation_settings(tmp_path: Path
     ca = tmp_path / "ca.crt"
     ca.write_text("a CA")
     args = ["launch", "site=tacc", "ps=cloud", "ps.address=vm.example.org:50051", f"ps.ca_file={ca}"]
-    result = cli([*args, "site.token=t0k", "model=tiny_llama", "codec=int4", "--dry-run"], tmp_path, **LOGIN_ENV)
+    result = cli(
+        [*args, "site.token=t0k", "model=tiny_llama", "codec=int4", "--dry-run"], tmp_path, **login_env(tmp_path)
+    )
     assert result.returncode == 0, result.stderr
     head = result.stdout.split("#!/bin/bash", 1)[0]
     assert "$SCRATCH" not in result.stdout and "/scratch/alice/geofed/runs/geofed" in head
@@ -284,6 +293,7 @@ def test_dry_run_expands_user_from_the_system_and_names_a_variable_that_is_not_s
     import getpass
 
     env = {k: v for k, v in os.environ.items() if k not in ("USER", "LOGNAME", "SCRATCH")}
+    env["PATH"] = login_env(tmp_path)["PATH"]
     result = subprocess.run(
         CLI + ["launch", "site=osc", "ps.address=vm.example.org:50051", "--dry-run"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,
@@ -451,5 +461,8 @@ def test_the_preflight_never_loads_torch_on_the_login_node(tmp_path: Path) -> No
         f"found = preflight(cfg, Path({str(tmp_path)!r}), cfg.ps.address)\n"
         "print([f.what for f in found if f.level == 'error'], 'torch' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    env = {**os.environ, "PATH": login_env(tmp_path)["PATH"]}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=env
+    ).stdout
     assert out.strip() == "['model'] False"  # init_from (here: no safetensors) checked, torch never imported
