@@ -90,7 +90,9 @@ class ParameterServer:
             if cfg.ps.grouped:  # meets its peers first: a peer that differs or never comes stops this PS here
                 from geofed_hpc.ps.group.member import PeerGroup  # torch.distributed, only for a PS in a group
                 from geofed_hpc.ps.group.rendezvous import identity
+                from geofed_hpc.ps.grouped import GroupedCoordinator
 
+                assert isinstance(self.logic.core, GroupedCoordinator)  # servicer.py picks it for ps.peers
                 self.group = PeerGroup(self.logic.core, cfg.ps, identity(cfg), cfg.codec)
             if cfg.ps.metrics_port > 0:
                 self.exporter = PrometheusExporter()

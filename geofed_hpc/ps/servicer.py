@@ -18,6 +18,7 @@ from geofed_hpc.faults import fault
 from geofed_hpc.paradigms.exchange import Exchange
 from geofed_hpc.ps.aggregate import Delta
 from geofed_hpc.ps.coordinator import Coordinator
+from geofed_hpc.ps.grouped import GroupedCoordinator
 from geofed_hpc.ps.ingest import Ingest
 from geofed_hpc.ps.journal import sync_file
 from geofed_hpc.ps.sessions import Session
@@ -62,7 +63,8 @@ class ParameterServerLogic:
         self._decoders = ThreadPoolExecutor(cfg.decode_threads, thread_name_prefix="ps-decode")
         self.ingest = Ingest(cfg.decode_threads, self.staging)
         try:
-            self.core = Coordinator(cfg, settings, self.staging, clock, exchange, codec)
+            kind = GroupedCoordinator if cfg.grouped else Coordinator
+            self.core = kind(cfg, settings, self.staging, clock, exchange, codec)
         except BaseException:
             self.staging.close()
             raise

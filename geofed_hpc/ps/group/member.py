@@ -21,7 +21,7 @@ from geofed_hpc.ps.rounds import RoundTotals
 from geofed_hpc.rpc import messages as m
 
 if TYPE_CHECKING:
-    from geofed_hpc.ps.coordinator import Coordinator
+    from geofed_hpc.ps.grouped import GroupedCoordinator
 
 STOP_WAIT = timedelta(seconds=2)  # how long a stopping PS lets its sync point in flight finish
 GROUP_LOG = "group.jsonl"  # in the state directory: one row per version the peers compared
@@ -55,7 +55,7 @@ class PeerGroup:
     Lock: none of its own. `stats` and `failed` are written by the loop thread only (readers see whole values);
     the coordinator's lock is taken inside the coordinator's methods it calls."""
 
-    def __init__(self, core: Coordinator, cfg: PSConfig, identity: dict[str, Any], wire: CodecConfig) -> None:
+    def __init__(self, core: GroupedCoordinator, cfg: PSConfig, identity: dict[str, Any], wire: CodecConfig) -> None:
         self.core, self.cfg, self.identity = core, cfg, identity
         self.wire = replace(wire, name=cfg.peer_codec)
         self.joined: Joined = form(cfg, identity)

@@ -1,0 +1,117 @@
+"""A parameter server in a PS group: the coordinator whose rounds and model move only at the group's sync points."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from geofed_hpc.errors import UnavailableError
+from geofed_hpc.ps.aggregate import Params
+from geofed_hpc.ps.coordinator import Coordinator
+from geofed_hpc.ps.group.sync import SyncPoint
+from geofed_hpc.ps.persist import PSState
+from geofed_hpc.ps.rounds import RoundTotals
+from geofed_hpc.ps.sessions import Session
+from geofed_hpc.rpc import messages as m
+
+
+class GroupedCoordinator(Coordinator):
+    """A Coordinator of one PS in a group (ps.peers). Its sync loop (ps/group/member.py, the only caller of the
+    methods below) seeds the model, closes rounds on the group's summed totals and hands whole states between
+    peers; a round never closes here alone, and an init push waits for the group to pick one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._seeds: list[tuple[m.PushHeader, Params, str]] = []  # init pushes the group has yet to pick from
+        super().__init__(*args, **kwargs)
+
+    def seed_from(self, session: Session, header: m.PushHeader, params: Params) -> m.PushReply:
+        with self._cond:
+            return self._seed_in_group(session, header, params)
+
+    def _seed_in_group(self, session: Session, header: m.PushHeader, params: Params) -> m.PushReply:
+        """An init push to a grouped PS waits for the group's next sync point, which seeds the group from one
+        peer's first offer; accepted when it was this push (hold the lock)."""
+        if not self.model.initialized:
+            self._seeds.append((header, params, session.site))
+            deadline = time.monotonic() + self.cfg.peer_timeout.total_seconds()
+            while not self.model.initialized and not self._closing and time.monotonic() < deadline:
+                self._cond.wait(timeout=0.5)
+        if self.ledger.knows(header.push_id):
+            return self.ledger.reply(header.push_id)
+        if not self.model.initialized:
+            raise UnavailableError("the PS group has not seeded its model yet: retry")
+        reason = f"the PS group's model is at version {self.model.version}: pull the global model"
+        return self.ledger.remember(header.push_id, m.PushReply(False, self.model.version, reason))
+
+    def sync_point(self) -> SyncPoint:
+        """What this PS shows its peers at a sync point."""
+        with self._cond:
+            active, r = self.sessions.active(), self.strategy.round
+            timed_out = r.deadline is not None and r.now() >= r.deadline
+            digest = self.model.digest().hex() if self.model.initialized else ""
+            init, version = self.model.initialized, self.model.version
+            return SyncPoint(init, version, digest, r.count, active <= r.pushed, timed_out, bool(self._seeds))
+
+    def seed_pending(self) -> None:
+        """The group seeds from this PS: the first init push offered here becomes the model."""
+        with self._cond:
+            header, params, site = self._seeds[0]
+            self._seeds.clear()
+            self._seed(params, max(0, header.base_version), f"site {site}")
+            self.ledger.remember(header.push_id, m.PushReply(True, self.model.version))
+
+    def export_state(self) -> PSState:
+        """The model, optimizer state, downlink residual, push ids and strategy state a peer adopts (not copied:
+        in a group only its sync loop moves the model)."""
+        with self._cond:
+            state = self.model.state()
+            state.push_ids, state.strategy = self.ledger.to_json(), self.strategy.state()
+            return state
+
+    def adopt_state(self, state: PSState, source: str) -> None:
+        """Take a peer's whole state in place of this PS's: its open round and journal go (their sites' pushes
+        are the peer group's to apply now), its push ids join the ones known here."""
+        with self._cond:
+            self.model.seed(state.params, state.version, source)
+            self.model.outer.load_state(state.momentum)
+            self.model.downlink.residual = state.residual
+            self._adopted()
+            self.strategy.load_state(state.strategy)
+            self.ledger.load_json(state.push_ids)
+            self._seeds.clear()
+            self.sessions.quiet()  # its sites may have failed over to a peer: they count once they are back
+            self.persistence.clear_journal()
+            self._snapshot()
+            self._cond.notify_all()
+
+    def settled(self, reply: m.PushReply, header: m.PushHeader) -> m.PushReply:
+        """A grouped PS answers a delta once the group applied its round (every peer knows its push id then), so
+        a site whose PS dies before that pushes it again to the next PS, where it is applied once; a single PS
+        answers at once (its journal keeps the delta)."""
+        if header.init or not reply.accepted or reply.duplicate:
+            return reply
+        deadline = time.monotonic() + 0.9 * self.cfg.rpc_timeout.total_seconds()
+        with self._cond:
+
+            def waiting() -> bool:  # its round not yet applied, nor refused (an update that was not finite)
+                return self.model.version <= reply.version and self.ledger.reply(header.push_id).accepted
+
+            while waiting() and not self._closing and time.monotonic() < deadline:
+                self._cond.wait(timeout=1.0)
+            if self.model.version <= reply.version and self._closing:
+                raise UnavailableError("this parameter server stopped before the group applied the push: push again")
+            return replace(self.ledger.reply(header.push_id), version=self.model.version)
+
+    def close_group_round(self, reduce: Callable[[RoundTotals], RoundTotals]) -> bool:
+        """Close the group's round with every peer's sums (`reduce`); whether the model moved."""
+        with self._cond:
+            return self._close_round("group", reduce)
+
+    def learn_pushes(self, push_ids: list[str]) -> None:
+        """Pushes a peer applied in the round just closed: a resend of one here is answered, never applied."""
+        with self._cond:
+            for push_id in push_ids:
+                if not self.ledger.knows(push_id):
+                    self.ledger.remember(push_id, m.PushReply(True, self.model.version))
