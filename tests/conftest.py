@@ -6,12 +6,13 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from geofed_hpc.config import PSConfig, RunConfig
+from geofed_hpc.config import DataConfig, PSConfig, RunConfig
 from geofed_hpc.log import logger
 
 
@@ -19,6 +20,17 @@ from geofed_hpc.log import logger
 def no_user_config(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Tests (and the commands they start) never read the developer's own ~/.config/geofed-hpc site files."""
     os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("xdg-config"))
+
+
+def bible_shards(tmp_path_factory: pytest.TempPathFactory, count: int, max_tokens: int = 30000) -> Path:
+    """The shipped Bible's first `max_tokens` GPT-2 tokens as `count` site shards plus validation (for module fixtures
+    of tests that run real site processes)."""
+    from geofed_hpc.data.prepare import prepare_shards
+
+    out, cache = tmp_path_factory.mktemp("shards"), tmp_path_factory.mktemp("cache")
+    data = DataConfig(tokenizer="gpt2", source="bible", max_tokens=max_tokens, val_fraction=0.05, cache_dir=str(cache))
+    prepare_shards(data, out, count)
+    return out
 
 
 def small_params(seed: int = 0) -> dict[str, np.ndarray]:

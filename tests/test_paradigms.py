@@ -25,7 +25,6 @@ from geofed_hpc.config import (
     TrainConfig,
     to_dict,
 )
-from geofed_hpc.data.prepare import prepare_shards
 from geofed_hpc.errors import CheckpointError, ConfigError, StaleError
 from geofed_hpc.metrics import read_jsonl
 from geofed_hpc.models import build_model
@@ -37,7 +36,7 @@ from geofed_hpc.ps.servicer import ParameterServerLogic
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 from geofed_hpc.rpc.stream import digest, to_chunks
-from tests.conftest import ps_config
+from tests.conftest import bible_shards, ps_config
 from tests.site_procs import Site
 
 MODEL = ModelConfig(name="t", vocab_size=50257, context=32, d_model=32, n_layers=2, n_heads=2, d_ff=64)
@@ -53,12 +52,7 @@ LR = {"identity": 3e-3, "lora": 2e-2, "hybrid_lora": 3e-3, "ravan": 2e-2, "zo": 
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("shards")
-    cache = tmp_path_factory.mktemp("cache")
-    prepare_shards(
-        DataConfig(tokenizer="gpt2", source="bible", max_tokens=30000, val_fraction=0.05, cache_dir=str(cache)), out, 2
-    )
-    return out
+    return bible_shards(tmp_path_factory, 2)
 
 
 def run_config(

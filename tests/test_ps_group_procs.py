@@ -15,12 +15,10 @@ from typing import Any
 import pytest
 
 from geofed_hpc import codec
-from geofed_hpc.config import DataConfig
-from geofed_hpc.data.prepare import prepare_shards
 from geofed_hpc.metrics import read_jsonl
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
-from tests.conftest import ps_config
+from tests.conftest import bible_shards, ps_config
 from tests.dist_util import free_port
 from tests.site_procs import Site, events, wait_for
 from tests.test_site_client import site_cfg
@@ -35,10 +33,7 @@ READY = re.compile(rb"^parameter server on ")
 
 @pytest.fixture(scope="module")
 def shards6(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out, cache = tmp_path_factory.mktemp("shards"), tmp_path_factory.mktemp("cache")
-    data = DataConfig(tokenizer="gpt2", source="bible", max_tokens=40000, val_fraction=0.05, cache_dir=str(cache))
-    prepare_shards(data, out, 3 * SITES_PER_PS)
-    return out
+    return bible_shards(tmp_path_factory, 3 * SITES_PER_PS, max_tokens=40000)
 
 
 class Peers:

@@ -20,11 +20,10 @@ from geofed_hpc.config import (
     TrainConfig,
     to_dict,
 )
-from geofed_hpc.data.prepare import prepare_shards
 from geofed_hpc.metrics import read_jsonl
 from geofed_hpc.paradigms.site import SplitSite
 from geofed_hpc.ps.app import ParameterServer
-from tests.conftest import ps_config
+from tests.conftest import bible_shards, ps_config
 from tests.dist_util import free_port
 from tests.site_procs import Site, events, wait_for
 from tests.test_faults import ps_process
@@ -36,12 +35,7 @@ STEPS, SYNCS = 4, 4
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("shards")
-    cache = tmp_path_factory.mktemp("cache")
-    prepare_shards(
-        DataConfig(tokenizer="gpt2", source="bible", max_tokens=30000, val_fraction=0.05, cache_dir=str(cache)), out, 2
-    )
-    return out
+    return bible_shards(tmp_path_factory, 2)
 
 
 def run_config(folder: Path, shards: Path, name: str, port: int = 0, **paradigm: Any) -> RunConfig:
