@@ -45,6 +45,10 @@ class Coordinator:
     ledger (a resent push for its first stream, `finish` for pushes in flight) waits without it.
     """
 
+    # One PS of a group (GroupedCoordinator, ps/grouped.py): its rounds close and its model moves only at the
+    # group's sync points, never here alone.
+    peer_sync = False
+
     def __init__(
         self,
         cfg: PSConfig,
@@ -64,7 +68,6 @@ class Coordinator:
         self._retry_at = 0.0  # a round whose update could not be made is tried again from then on
         self._cond = threading.Condition()
         self._closing = False
-        self.peer_sync = cfg.grouped  # one of a PS group (GroupedCoordinator): its sync points close rounds
         self.group_status: Callable[[m.StatusReply], None] | None = None  # adds what the PS group shows
         state = Path(cfg.state_dir).expanduser() if cfg.state_dir else None
         tokens = TokenVerifier(tokens_path(cfg.state_dir) if cfg.state_dir else None, cfg.enroll_token)

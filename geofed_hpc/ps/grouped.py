@@ -22,6 +22,8 @@ class GroupedCoordinator(Coordinator):
     methods below) seeds the model, closes rounds on the group's summed totals and hands whole states between
     peers; a round never closes here alone, and an init push waits for the group to pick one."""
 
+    peer_sync = True
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._seeds: list[tuple[m.PushHeader, Params, str]] = []  # init pushes the group has yet to pick from
         super().__init__(*args, **kwargs)

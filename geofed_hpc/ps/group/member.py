@@ -64,7 +64,6 @@ class PeerGroup:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ps-group", daemon=True)
         self._reduced: Reduced | None = None
-        core.peer_sync = True
         core.group_status = self.fill_status
 
     @property
