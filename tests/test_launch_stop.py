@@ -94,9 +94,17 @@ def test_only_rank_0_checkpoints_and_requeues(handlers: dict[str, Any]) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def refused_site() -> None:
-    """What a local site job does when the PS refuses its token (run by submitit in its own process)."""
+def refused_site(other_ready: Path) -> None:
+    """What a local site job does when the PS refuses its token (run by submitit in its own process). It fails only
+    once the other site is training (its handlers installed): a site stopped while still starting has nothing to save,
+    and on a busy machine it could otherwise be stopped before it could say how."""
+    import time
+
     from geofed_hpc.errors import AuthError
+
+    deadline = time.monotonic() + 120
+    while not other_ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
     raise AuthError("Join refused by the parameter server: unknown enrollment token for site local-0")
 
@@ -111,6 +119,7 @@ def slow_site(record: Path) -> None:
 
     signal.signal(signal.SIGTERM, stopped)
     signal.signal(signal.SIGINT, stopped)
+    record.with_name("training").touch()
     time.sleep(600)
 
 
@@ -126,7 +135,7 @@ def test_a_failed_local_site_reaches_the_launcher_with_its_cause(tmp_path: Path,
 
     executor = submitit.LocalExecutor(folder=tmp_path / "submitit" / "%j")
     executor.update_parameters(timeout_min=15)
-    jobs = [executor.submit(refused_site), executor.submit(slow_site, tmp_path / "stopped-by")]
+    jobs = [executor.submit(refused_site, tmp_path / "training"), executor.submit(slow_site, tmp_path / "stopped-by")]
     started = time.monotonic()
     with pytest.raises(LaunchError) as info:
         follow(jobs, RunConfig(run_dir=str(tmp_path)), time.time(), io.StringIO())
