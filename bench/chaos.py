@@ -210,7 +210,7 @@ def main() -> int:
         "mean_fault_interval_s": args.interval,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1))
+    args.json.write_text(json.dumps({"rows": [result]}, indent=1))
     print(f"{'site':<10}{'applied':>9}{'logged':>9}")
     for site in sorted(claimed):
         print(f"{site:<10}{per_site.get(site, 0):>9}{claimed[site]:>9}")

@@ -18,8 +18,9 @@ of the global phi and the server part). bytes_to_target (random starts only): al
 included, until that loss first reaches --target (fixed before any paradigm runs). Expectations: lora under 2%
 of the full bytes and at least 0.6 of full fine-tuning's drop, zo under 1 KB per step, fsl_sage at most half the
 bytes of split to the target.
-Output: a list of {"paradigm", "bytes_per_round", "bytes_up_per_round", "bytes_down_per_round", "bytes_vs_full",
-"bytes_per_step", "eval_loss", "val_losses", "bytes_to_target", "improvement_vs_full", "start", ...}.
+--json writes {"rows": [one per paradigm: "paradigm", "bytes_per_round", "bytes_up_per_round",
+"bytes_down_per_round", "bytes_vs_full", "bytes_per_step", "eval_loss", "val_losses", "bytes_to_target",
+"improvement_vs_full", "start", ...], "targets": {...}, "rounds", "steps", "sites"}.
 """
 
 from __future__ import annotations
@@ -231,7 +232,14 @@ def main() -> None:
         for r in results:
             if r["paradigm"] in FINE_TUNING:
                 r["improvement_vs_full"] = round((r["val_losses"][0] - r["eval_loss"]) / drop, 4)
-    args.json.write_text(json.dumps(results, indent=1))
+    targets = {
+        "lora_bytes_vs_full_max": 0.02,
+        "lora_improvement_vs_full_min": 0.6,
+        "zo_bytes_per_step_max": 1024,
+        "fsl_sage_bytes_to_target_vs_split_max": 0.5,
+    }
+    report = {"rows": results, "targets": targets, "rounds": args.rounds, "steps": args.steps, "sites": 2}
+    args.json.write_text(json.dumps(report, indent=1))
     print(
         f"{'paradigm':<13}{'bytes/round':>14}{'up':>13}{'down':>13}{'vs full':>10}{'bytes/step':>12}{'eval loss':>11}"
         f"{'to target':>14}{'vs full drop':>14}"

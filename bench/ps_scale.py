@@ -252,7 +252,7 @@ def main() -> None:
                 f"{row['deltas_per_s']:>10.2f}{row['mb_per_s']:>9.1f}{row['seconds']:>8.1f}",
                 flush=True,
             )
-    args.json.write_text(json.dumps(rows, indent=1))
+    args.json.write_text(json.dumps({"rows": rows}, indent=1))
     for rule in args.rules.split(","):
         by_k = {r["sites"]: r["peak_rss_mb"] for r in rows if r["rule"] == rule}
         if 4 in by_k and 64 in by_k:

@@ -155,7 +155,7 @@ def main() -> None:
         "model": f"{args.model} context {args.context}",
         "cpus": os.cpu_count(),
     }
-    args.json.write_text(json.dumps(result, indent=1))
+    args.json.write_text(json.dumps({"rows": [result]}, indent=1))
     print(f"{'path':<34}{'seconds':>9}")
     print(f"{'live PS (rejoin, no pull)':<34}{live_s:>9.2f}   target <= 10")
     print(f"{'cold (local checkpoint only)':<34}{cold_s:>9.2f}   target <= 30")

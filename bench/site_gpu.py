@@ -126,7 +126,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     if rt.device.type == "cuda":
         result["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(rt.device) / 2**30, 2)
     if rank == 0:
-        Path(out).write_text(json.dumps(result, indent=1))
+        Path(out).write_text(json.dumps({"rows": [result]}, indent=1))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
@@ -153,7 +153,7 @@ def main() -> None:
         _worker(0, 1, port, args, out)
     else:
         mp.spawn(_worker, args=(world, port, args, out), nprocs=world, join=True)
-    result = json.loads(args.json.read_text())
+    result = json.loads(args.json.read_text())["rows"][0]
     for key, value in result.items():
         print(f"{key:<22}{value}")
     mfu = f"{100 * result['mfu']:.1f}%" if result["mfu"] is not None else "n/a (unknown peak: --peak-tflops)"
