@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,8 +45,11 @@ def test_the_sync_decision() -> None:
     adopt = decide([point(2), point(3), point(3), blank])  # a restarted peer, one behind: the lowest newest gives
     assert (adopt.action, adopt.source, adopt.peers) == ("adopt", 1, [0, 3])
     odd = decide([point(digest="a"), point(digest="b"), point(digest="a")])
-    assert (odd.action, odd.peers, odd.majority) == ("mismatch", [1], "a")
-    assert decide([point(digest="a"), point(digest="b")]).peers == [0, 1]  # no majority: both stop
+    assert (odd.action, odd.source, odd.peers, odd.majority) == ("mismatch", 0, [1], "a")  # 1 takes 0's model
+    odd = decide([point(digest="b"), point(digest="a"), point(digest="a")])
+    assert (odd.source, odd.peers) == (1, [0])  # the majority's lowest peer gives, never the one that differs
+    split = decide([point(digest="a"), point(digest="b")])
+    assert (split.source, split.peers, split.majority) == (-1, [0, 1], "")  # no majority: both stop
     assert decide([point(count=2), point(count=0, complete=False)]).action == "wait"  # a peer's sites not in yet
     assert decide([point(count=2), point(count=0, complete=False, timed_out=True)]).action == "close"
     assert decide([point(count=2), point(count=0)]).action == "close"  # a peer without sites holds nothing
@@ -302,3 +306,54 @@ def test_a_site_fails_over_to_the_next_peer_and_its_push_is_applied_once() -> No
         finally:
             site.close()
             other.close()
+
+
+def test_a_peer_whose_model_differs_takes_the_majoritys_and_keeps_its_open_round(tmp_path: Path) -> None:
+    params = small_params()
+    with group_of(3, peer_codec="fp32", state_dir=str(tmp_path / "ps")) as servers:
+        clients = [client(s) for s in servers]
+        pool = ThreadPoolExecutor(1)  # peer 2's site pushes while the round waits for the other two sites
+        try:
+            sessions = [c.join(m.JoinRequest(f"site-{i}")).session_id for i, c in enumerate(clients)]
+            init = m.PushHeader(sessions[0], 0, 0, 0, "fp32", 0, b"", "seed", init=True)
+            assert clients[0].push_delta(init, codec.encode(params, FP32)).accepted
+            wait_for(lambda: all(s.logic.initialized for s in servers), "every peer to hold the seed")
+            ones = {k: np.ones_like(v) for k, v in params.items()}
+            pushes = [
+                (m.PushHeader(s, 0, 2, 10, "fp32", 0, b"", f"r0-{i}"), codec.encode(ones, FP32))
+                for i, s in enumerate(sessions)
+            ]
+            assert all(r.accepted for r in concurrently(clients, pushes))
+            wait_for(lambda: all(s.logic.version == 1 for s in servers), "version 1")
+            bad = servers[2].logic.core
+            threes = codec.encode({k: np.full_like(v, 3.0) for k, v in params.items()}, FP32)
+            pending = pool.submit(
+                clients[2].push_delta, m.PushHeader(sessions[2], 1, 2, 10, "fp32", 0, b"", "x"), threes
+            )
+            wait_for(lambda: servers[2].logic.rounds.count == 1, "the delta in peer 2's open round")
+            with bad._cond:  # a bit flip in peer 2's memory, seen at the next sync point
+                assert bad.model.params is not None
+                bad.model.params["blocks.0.w"][0, 0] += 5.0
+                bad.model._digest = None
+            wait_for(lambda: len({s.logic.core.model_hash() for s in servers}) == 1, "peer 2 repaired", 30)
+            assert servers[2].logic.rounds.count == 1  # its open round kept
+            zeros = codec.encode({k: np.zeros_like(v) for k, v in params.items()}, FP32)
+            pushes = [(m.PushHeader(sessions[i], 1, 2, 10, "fp32", 0, b"", f"r1-{i}"), zeros) for i in (0, 1)]
+            assert all(r.accepted for r in concurrently(clients[:2], pushes))
+            reply = pending.result(timeout=60)
+            assert reply.accepted and not reply.duplicate and reply.version == 2, reply
+            wait_for(lambda: all(s.logic.version == 2 for s in servers), "version 2")
+            assert len({s.logic.core.model_hash() for s in servers}) == 1
+            model = servers[2].logic.core.model.params
+            assert model is not None
+            for k, v in params.items():  # 1 at version 1, then (3 + 0 + 0) / 3: peer 2's delta counted, the flip gone
+                np.testing.assert_allclose(model[k], v + np.float32(2.0), rtol=0, atol=1e-6)
+            assert all(s.group is not None and s.group.failed is None for s in servers)
+            rows = [json.loads(line) for line in (tmp_path / "ps" / "2" / "group.jsonl").read_text().splitlines()]
+            assert [r["version"] for r in rows if r["kind"] == "mismatch"] == [1]
+            repaired = [r for r in rows if r["kind"] == "repaired"]
+            assert len(repaired) == 1 and repaired[0]["source"].startswith("peer 0 (")
+        finally:
+            for c in clients:
+                c.close()  # a push still waiting ends with its channel
+            pool.shutdown(cancel_futures=True)

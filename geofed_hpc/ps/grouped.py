@@ -88,6 +88,20 @@ class GroupedCoordinator(Coordinator):
             self._snapshot()
             self._cond.notify_all()
 
+    def repair_state(self, state: PSState, source: str) -> None:
+        """Take a peer's model of this version in place of this PS's, which differs from the group majority's:
+        model, optimizer state and downlink residual (with no kept updates: sites take the whole model next). The
+        open round and its journal stay (their deltas are this PS's sites' to add); push ids join."""
+        with self._cond:
+            if state.version != self.model.version:
+                raise UnavailableError(f"{source} sent version {state.version} to repair version {self.model.version}")
+            self.model.seed(state.params, state.version, source)
+            self.model.outer.load_state(state.momentum)
+            self.model.downlink.residual = state.residual
+            self.ledger.load_json(state.push_ids)
+            self._snapshot()
+            self._cond.notify_all()
+
     def settled(self, reply: m.PushReply, header: m.PushHeader) -> m.PushReply:
         """A grouped PS answers a delta once the group applied its round (every peer knows its push id then), so
         a site whose PS dies before that pushes it again to the next PS, where it is applied once; a single PS

@@ -28,7 +28,8 @@ GROUP_LOG = "group.jsonl"  # in the state directory: one row per version the pee
 
 
 class DigestMismatch(GeofedError):
-    """This PS's model differs from the group's majority at the same version: it stops rather than serve it."""
+    """The group's models differ at one version with no majority, or this PS's still differs after it took the
+    majority's: it stops rather than serve it."""
 
 
 @dataclass
@@ -64,6 +65,7 @@ class PeerGroup:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ps-group", daemon=True)
         self._reduced: Reduced | None = None
+        self._repaired_at = -1  # the version at which this PS last took the majority's model
         core.group_status = self.fill_status
 
     @property
@@ -194,15 +196,19 @@ class PeerGroup:
         except OSError as exc:
             logger.warning("PS group: cannot write %s: %s", path, exc)
 
-    def _transfer(self, decision: Decision) -> None:
-        """The source's whole state (model, optimizer state, residual, push ids) to the peers behind, in one
-        broadcast; they adopt it."""
+    def _transfer(self, decision: Decision, repair: bool = False) -> None:
+        """The source's whole state (model, optimizer state, residual, push ids) to `decision.peers`, in one
+        broadcast: peers behind adopt it; with `repair`, peers whose model differs at the same version take its
+        model in place of theirs and keep their open round."""
         blob = pack_state(self.core.export_state()) if self.rank == decision.source else b""
         start = time.monotonic()
         blob = broadcast_bytes(self.joined.pg, blob, decision.source, "model transfer")
         if self.rank in decision.peers:
             state = unpack_state(blob)
-            self.core.adopt_state(state, self.peer(decision.source))
+            if repair:
+                self.core.repair_state(state, self.peer(decision.source))
+            else:
+                self.core.adopt_state(state, self.peer(decision.source))
             self.stats.adopted_from = self.joined.members[decision.source]
             logger.info(
                 "PS group: took version %d from %s (%d bytes in %.2fs)",
@@ -213,19 +219,38 @@ class PeerGroup:
             )
 
     def _mismatch(self, decision: Decision, points: list[SyncPoint]) -> None:
+        """The same version under different digests (a model corrupted in memory or on disk). With a majority, the
+        peers outside it take the model of the majority's lowest peer in one broadcast, as a returning peer does,
+        and keep their open rounds; their sites find their replicas differ at their next pull and take the whole
+        model. Without a majority, or when this PS still differs after taking it, this PS stops."""
         version = points[0].version
         self.stats.compared += 1
         self.stats.digests = [p.digest for p in points]
         self._record({"kind": "mismatch", "version": version, "digest": points[self.rank].digest, "peers": len(points)})
-        if self.rank not in decision.peers:
-            logger.error("PS group: peers %s differ from the majority at version %d", decision.peers, version)
-            return
-        shown = ", ".join(f"peer {i}: {p.digest}" for i, p in enumerate(points))
-        raise DigestMismatch(
-            f"the model of this PS (peer {self.cfg.peer_rank}) at version {version} differs from "
-            f"{'the group majority' if decision.majority else 'its peers (no majority)'} ({shown}): this PS stops "
-            "serving it"
-        )
+        shown = ", ".join(f"peer {self.joined.members[i]}: {p.digest}" for i, p in enumerate(points))
+        mine = f"the model of this PS (peer {self.cfg.peer_rank}) at version {version}"
+        if not decision.majority:
+            raise DigestMismatch(f"{mine} differs from its peers' with no majority ({shown}): this PS stops serving it")
+        if self.rank in decision.peers:
+            if self._repaired_at == version:
+                raise DigestMismatch(
+                    f"{mine} still differs from the group majority after taking it from {self.peer(decision.source)} "
+                    f"({shown}): this PS stops serving it"
+                )
+            logger.error(
+                "PS group: %s differs from the group majority (%s): taking the majority's from %s",
+                mine,
+                shown,
+                self.peer(decision.source),
+            )
+        else:
+            differ = ", ".join(self.peer(r) for r in decision.peers)
+            logger.warning("PS group: %s differ from the majority at version %d: they take its model", differ, version)
+        self._transfer(decision, repair=True)
+        if self.rank in decision.peers:
+            self._repaired_at = version
+            row = {"kind": "repaired", "version": version, "digest": self.core.sync_point().digest}
+            self._record({**row, "source": self.peer(decision.source)})
 
     def _close(self, points: list[SyncPoint]) -> None:
         """Close the group's round: every peer's sums reduced, the same update applied on each."""

@@ -34,8 +34,9 @@ class SyncPoint:
 
 @dataclass
 class Decision:
-    """What the group does at this sync point: `source` is the peer whose model the others take (seed, adopt) or
-    the majority's digest (mismatch); `peers` the ones that take it, or that differ from the majority."""
+    """What the group does at this sync point: `source` is the peer whose model the others take (seed, adopt, and
+    mismatch: the majority's lowest peer, -1 without a majority); `peers` the ones that take it (mismatch: that
+    differ from the majority, or all of them without one); `majority` the majority's digest ("" without one)."""
 
     action: Action
     source: int = -1
@@ -48,9 +49,9 @@ def decide(points: list[SyncPoint]) -> Decision:
 
     peers asked to come back: the group re-forms with them (reform); no model anywhere: the lowest peer a site
     offered a model seeds the group (seed); a peer without the newest version takes the model of the lowest peer
-    that has it (adopt); the same version under different digests stops the peers outside the majority (mismatch;
-    all of them without a majority); else the group's round closes once it holds a delta and every peer's sites
-    pushed or any peer's deadline passed (close)."""
+    that has it (adopt); the same version under different digests: the peers outside the majority take the model
+    of the majority's lowest peer (mismatch; without a majority all of them stop); else the group's round closes
+    once it holds a delta and every peer's sites pushed or any peer's deadline passed (close)."""
     joiners = sorted({j for p in points for j in p.joiners})
     if joiners:
         return Decision("reform", peers=joiners)
@@ -69,7 +70,8 @@ def decide(points: list[SyncPoint]) -> Decision:
     if len(digests) > 1:
         digest, votes = digests.most_common(1)[0]
         majority = digest if 2 * votes > len(points) else ""
-        return Decision("mismatch", source, [i for i, p in enumerate(points) if p.digest != majority], majority)
+        good = min((i for i, p in enumerate(points) if majority and p.digest == majority), default=-1)
+        return Decision("mismatch", good, [i for i, p in enumerate(points) if p.digest != majority], majority)
     if sum(p.count for p in points) and (all(p.complete for p in points) or any(p.timed_out for p in points)):
         return Decision("close")
     return Decision("wait")
