@@ -24,6 +24,7 @@ from geofed_hpc.ps.app import ParameterServer
 from geofed_hpc.ps.group.membership import form
 from geofed_hpc.ps.group.rendezvous import identity
 from geofed_hpc.ps.group.sync import SyncPoint, decide
+from geofed_hpc.ps.tokens import TokenFile, tokens_path
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 from tests.conftest import ps_config, small_params
@@ -357,3 +358,26 @@ def test_a_peer_whose_model_differs_takes_the_majoritys_and_keeps_its_open_round
             for c in clients:
                 c.close()  # a push still waiting ends with its channel
             pool.shutdown(cancel_futures=True)
+
+
+def test_a_token_issued_or_revoked_on_one_peer_holds_on_every_peer(tmp_path: Path) -> None:
+    with group_of(3, state_dir=str(tmp_path / "ps")) as servers:
+        files = [TokenFile(tokens_path(str(tmp_path / "ps" / str(i)))) for i in range(3)]
+        token, record = files[0].issue("osc", timedelta(days=1))  # `geofed-hpc token issue` beside peer 0
+        wait_for(lambda: all(any(r.id == record.id for r in f.read()) for f in files), "the token on every peer")
+        far = client(servers[2])  # a site of peer 0 failing over to peer 2 enrolls with the same token
+        try:
+            assert far.join(m.JoinRequest("osc-0", token=token)).session_id
+            with pytest.raises(AuthError, match="enrollment token refused"):  # a token file now guards every peer
+                far.join(m.JoinRequest("osc-1"))
+        finally:
+            far.close()
+        files[1].revoke(token_id=record.id)  # revoked beside peer 1: refused by peer 0 too
+        wait_for(lambda: all(r.revoked for f in files for r in f.read()), "the revocation on every peer")
+        near = client(servers[0])
+        try:
+            with pytest.raises(AuthError, match=f"token {record.id} is revoked"):
+                near.join(m.JoinRequest("osc-0", token=token))
+        finally:
+            near.close()
+        assert all(s.group is not None and s.group.failed is None for s in servers)

@@ -194,3 +194,21 @@ def test_session_limits_are_validated() -> None:
         PSConfig(max_sessions=4, max_sessions_per_site=8)
     with pytest.raises(ConfigError, match="ps.token_ttl"):
         PSConfig(token_ttl="soon")
+
+
+def test_merging_a_peers_records_adds_its_tokens_and_its_earliest_revocations(tmp_path: Path) -> None:
+    mine, theirs = TokenFile(tmp_path / "a" / "tokens.json"), TokenFile(tmp_path / "b" / "tokens.json")
+    assert mine.merge([]) == [] and not mine.path.exists()  # nothing to take: no token file appears
+    _, kept = mine.issue("osc", timedelta(days=1))
+    _, given = theirs.issue("tacc", timedelta(0))
+    assert mine.merge(theirs.read()) == [given.id] and {r.id for r in mine.read()} == {kept.id, given.id}
+    stamp = mine.path.stat().st_mtime_ns
+    assert mine.merge(theirs.read()) == [] and mine.path.stat().st_mtime_ns == stamp  # unchanged: not rewritten
+    theirs.merge(mine.read())
+    theirs.revoke(token_id=kept.id)
+    later = replace(next(r for r in theirs.read() if r.id == kept.id), revoked=1e12)
+    assert mine.merge([later]) == [kept.id]  # revoked there: revoked here
+    revoked = next(r for r in theirs.read() if r.id == kept.id).revoked
+    assert mine.merge(theirs.read()) == [kept.id]  # an earlier revocation time wins
+    assert next(r for r in mine.read() if r.id == kept.id).revoked == revoked
+    assert mine.merge([later]) == []  # a later one changes nothing

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -14,6 +16,7 @@ from geofed_hpc.ps.group.sync import SyncPoint
 from geofed_hpc.ps.persist import PSState
 from geofed_hpc.ps.rounds import RoundTotals
 from geofed_hpc.ps.sessions import Session
+from geofed_hpc.ps.tokens import TokenFile, canonical, from_canonical, tokens_path
 from geofed_hpc.rpc import messages as m
 
 
@@ -27,6 +30,8 @@ class GroupedCoordinator(Coordinator):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._seeds: list[tuple[m.PushHeader, Params, str]] = []  # init pushes the group has yet to pick from
         super().__init__(*args, **kwargs)
+        self.token_file = TokenFile(tokens_path(self.cfg.state_dir)) if self.cfg.state_dir else None
+        self._token_digest: tuple[tuple[int, int, int] | None, str] = (None, "")
 
     def seed_from(self, session: Session, header: m.PushHeader, params: Params) -> m.PushReply:
         with self._cond:
@@ -54,7 +59,38 @@ class GroupedCoordinator(Coordinator):
             timed_out = r.deadline is not None and r.now() >= r.deadline
             digest = self.model.digest().hex() if self.model.initialized else ""
             init, version = self.model.initialized, self.model.version
-            return SyncPoint(init, version, digest, r.count, active <= r.pushed, timed_out, bool(self._seeds))
+            point = SyncPoint(init, version, digest, r.count, active <= r.pushed, timed_out, bool(self._seeds))
+        point.tokens = self.tokens_digest()
+        return point
+
+    # ---------------------------------------------------------------- enrollment tokens, shared by the group
+    def tokens_digest(self) -> str:
+        """The identity of this PS's token records ("" without a state directory, where it keeps none); read again
+        only when the file changed."""
+        if self.token_file is None:
+            return ""
+        try:
+            st = os.stat(self.token_file.path)
+            stamp: tuple[int, int, int] | None = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            stamp = None
+        if stamp != self._token_digest[0] or not self._token_digest[1]:
+            records = self.token_file.read() if stamp else []
+            self._token_digest = (stamp, hashlib.sha256(canonical(records)).hexdigest())
+        return self._token_digest[1]
+
+    def token_records(self) -> bytes:
+        """This PS's token records as its peers take them (b"" without a state directory)."""
+        return canonical(self.token_file.read()) if self.token_file is not None else b""
+
+    def merge_tokens(self, blobs: list[bytes], sources: list[str]) -> list[str]:
+        """Every peer's token records (token_records, in `sources`' order) merged into this PS's token file: a
+        token issued on any peer admits its site on every peer, one revoked on any is revoked on all. The ids
+        that changed here."""
+        if self.token_file is None:
+            return []
+        records = [r for blob, source in zip(blobs, sources, strict=True) if blob for r in from_canonical(blob, source)]
+        return self.token_file.merge(records)
 
     def seed_pending(self) -> None:
         """The group seeds from this PS: the first init push offered here becomes the model."""

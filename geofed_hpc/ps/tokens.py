@@ -11,7 +11,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -84,11 +84,24 @@ def _records(path: Path) -> list[TokenRecord]:
         raise CheckpointError(f"{path}: malformed token record ({exc})") from None
 
 
+def canonical(records: Iterable[TokenRecord]) -> bytes:
+    """The records as one PS group peer shows them to another: the same bytes for the same records in any order."""
+    return json.dumps([asdict(r) for r in sorted(records, key=lambda r: r.id)], sort_keys=True).encode()
+
+
+def from_canonical(data: bytes, source: str) -> list[TokenRecord]:
+    """What `canonical` wrote; CheckpointError naming `source` when it is not that."""
+    try:
+        return [TokenRecord(**row) for row in json.loads(data)]
+    except (ValueError, TypeError) as exc:
+        raise CheckpointError(f"{source}: malformed token records ({exc})") from None
+
+
 class TokenFile:
     """The token records of one PS; each change is a locked read-modify-write, replaced atomically, mode 0600.
 
     Lock: an exclusive flock on a lock file beside it (`_locked`), so `token issue` and `token revoke` may run
-    beside a running PS."""
+    beside a running PS (and beside its PS group's merges)."""
 
     def __init__(self, path: Path, clock: Callable[[], float] = time.time) -> None:
         self.path = Path(path)
@@ -104,8 +117,10 @@ class TokenFile:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             records = _records(self.path)
+            before = canonical(records)
             yield records
-            write_secret(self.path, {"format": FORMAT, "tokens": [asdict(r) for r in records]})
+            if canonical(records) != before:  # rewritten only when a record changed
+                write_secret(self.path, {"format": FORMAT, "tokens": [asdict(r) for r in records]})
         finally:
             os.close(fd)
 
@@ -121,6 +136,23 @@ class TokenFile:
             records.append(record)
         logger.debug("issued token %s for site %s (%s)", token_id, site, _expiry(record))
         return token, record
+
+    def merge(self, others: Iterable[TokenRecord]) -> list[str]:
+        """Take a peer PS's records: a token issued there is added, one revoked there is revoked here too (at the
+        earliest time either saw); the ids that changed (the file is rewritten only when one did)."""
+        changed: list[str] = []
+        with self._locked() as records:
+            mine = {r.id: r for r in records}
+            for other in others:
+                held = mine.get(other.id)
+                if held is None:
+                    records.append(other)
+                    mine[other.id] = other
+                    changed.append(other.id)
+                elif other.revoked and (not held.revoked or other.revoked < held.revoked):
+                    held.revoked = other.revoked
+                    changed.append(other.id)
+        return changed
 
     def revoke(self, site: str = "", token_id: str = "") -> list[TokenRecord]:
         """Revoke the token `token_id`, or every valid token of `site`; the revoked records (ConfigError: none)."""

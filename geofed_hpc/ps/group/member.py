@@ -139,6 +139,7 @@ class PeerGroup:
         if self.cfg.peer_rank == 0:
             mine.joiners = joiners(self.cfg, self.joined.store, self.joined.members, self.identity)
         points = [SyncPoint.unpack(b) for b in allgather_bytes(pg, mine.pack(), "sync point")]
+        self._share_tokens(points)
         decision = decide(points)
         if decision.action == "reform":
             self._reform(decision.peers)
@@ -155,6 +156,17 @@ class PeerGroup:
             if decision.action == "close":
                 self._close(points)
         return decision
+
+    def _share_tokens(self, points: list[SyncPoint]) -> None:
+        """Peers whose enrollment token records differ swap them (one all-gather) and each keeps the union, so a
+        token issued or revoked with `geofed-hpc token` on one PS holds on all of them (a site that fails over
+        enrolls with the same token)."""
+        if len({p.tokens for p in points if p.tokens}) < 2:
+            return
+        blobs = allgather_bytes(self.joined.pg, self.core.token_records(), "enrollment tokens")
+        changed = self.core.merge_tokens(blobs, [self.peer(r) for r in range(len(blobs))])
+        if changed:
+            logger.info("PS group: enrollment token(s) %s taken from the peers", ", ".join(changed))
 
     def _reform(self, joining: list[int]) -> None:
         """A new generation: the members still alive and `joining` (ranks in ps.peers), in a new gloo group."""

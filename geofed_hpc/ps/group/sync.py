@@ -23,6 +23,7 @@ class SyncPoint:
     timed_out: bool
     seeds: bool = False
     joiners: list[int] = field(default_factory=list)  # peer 0: peers of ps.peers waiting to be taken back
+    tokens: str = ""  # the digest of its enrollment token records ("": it keeps none, having no state directory)
 
     def pack(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
