@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from geofed_hpc import codec
+from geofed_hpc.errors import GeofedError
 from geofed_hpc.metrics import read_jsonl
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
@@ -28,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 SYNCS = 3
 SITES_PER_PS = 2
 PS_ARGS = ["train.sync_interval=60s", "train.max_local_steps=3", "ps.round_timeout=60s", "ps.peer_tick=100ms"]
-READY = re.compile(rb"^parameter server on ")
+READY = re.compile(r"^parameter server on ", re.M)  # what `ps up` prints once it serves
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +46,24 @@ class Peers:
         rendezvous = f"127.0.0.1:{free_port()}"
         self.logs = [folder / f"ps-{i}.log" for i in range(n)]
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.args: list[list[str]] = []
         for i, port in enumerate(self.ports):
             args = ["ps", "up", f"ps.port={port}", f"ps.peers=[{','.join(self.addresses)}]", f"ps.peer_rank={i}"]
             args += [f"ps.peer_rendezvous={rendezvous}", "ps.peer_secret=loopback-test", "ps.peer_timeout=60s"]
             args += [f"ps.state_dir={folder / f'ps-{i}'}", *PS_ARGS, *(extra or {}).get(i, [])]
-            with open(self.logs[i], "wb") as log:
-                cmd = [sys.executable, "-m", "geofed_hpc.cli", *args]
-                env = {**os.environ, "OMP_NUM_THREADS": "1"}
-                self.procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env))
+            self.args.append(args)
+            self.procs.append(self._start(i, "wb"))
+
+    def _start(self, i: int, mode: str) -> subprocess.Popen[bytes]:
+        with open(self.logs[i], mode) as log:
+            cmd = [sys.executable, "-m", "geofed_hpc.cli", *self.args[i]]
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def restart(self, i: int) -> None:
+        """`ps up` of peer `i` again, with the same arguments (its log goes on)."""
+        assert self.procs[i].poll() is not None, f"peer {i} is still running"
+        self.procs[i] = self._start(i, "ab")
 
     def output(self, i: int) -> str:
         return self.logs[i].read_text(errors="replace")
@@ -60,7 +71,7 @@ class Peers:
     def ready(self) -> bool:
         for i, p in enumerate(self.procs):
             assert p.poll() is None, f"peer {i} exited:\n{self.output(i)[-3000:]}"
-        return all(re.search(r"^parameter server on ", self.output(i), re.M) for i in range(len(self.procs)))
+        return all(READY.search(self.output(i)) for i in range(len(self.procs)))
 
     def close(self) -> None:
         for p in self.procs:
@@ -90,6 +101,14 @@ def pull_digest(address: str) -> tuple[int, str]:
         header, payload = client.pull_model(s)
         client.heartbeat(m.HeartbeatRequest(s, leaving=True))
     return header.version, codec.model_digest(codec.decode(payload)).hex()
+
+
+def version_at(address: str) -> int:
+    """The version of the model a PS serves now (-1 while it does not answer yet)."""
+    try:
+        return pull_digest(address)[0]
+    except GeofedError:
+        return -1
 
 
 def test_three_peers_with_two_sites_each_hold_identical_models_while_the_loss_falls(
@@ -143,7 +162,9 @@ def test_a_peer_with_another_model_is_refused_at_rendezvous(tmp_path: Path) -> N
     assert '"name": "tiny_llama"' in logs[0] and '"name": "tiny"' in logs[0], logs[0]
 
 
-def test_a_killed_peers_sites_fail_over_and_no_push_is_lost_or_applied_twice(tmp_path: Path, shards6: Path) -> None:
+def test_a_killed_peers_sites_fail_over_nothing_is_lost_or_doubled_and_it_rejoins_bit_for_bit(
+    tmp_path: Path, shards6: Path
+) -> None:
     cfg: dict[str, Any] = site_cfg(tmp_path, shards6, max_syncs=SYNCS, sites=3 * SITES_PER_PS)
     cfg["ps"].update(retry_budget="120s", failover_after="3s")
     sites: list[Site] = []
@@ -168,10 +189,16 @@ def test_a_killed_peers_sites_fail_over_and_no_push_is_lost_or_applied_twice(tmp
             for site in sites:
                 assert site.wait(timeout=600) == [0], site.output()
             finals = [pull_digest(a) for a in group.addresses[:2]]
+            before = len(group.output(2))
+            group.restart(2)  # `ps up` again: taken back at the next sync point, with a live peer's state
+            wait_for(lambda: READY.search(group.output(2)[before:]) is not None, 120, "peer 2 serving again")
+            wait_for(lambda: version_at(group.addresses[2]) == finals[0][0], 120, "peer 2 at the group's version")
+            back = pull_digest(group.addresses[2])
         finally:
             for site in sites:
                 site.close()
-    assert finals[0] == finals[1], finals
+    assert finals[0] == finals[1] == back, (finals, back)  # the rejoined peer holds the group's model bit for bit
+    assert rows_of(tmp_path / "ps-2", "compared")[-1]["peers"] == 3  # back in the group, compared with both
     applied = rows_of(tmp_path / "ps-0", "applied")
     ids = [p for r in applied for p in r["push_ids"]]
     assert len(ids) == len(set(ids)), ids  # no push applied twice
