@@ -380,4 +380,9 @@ def test_a_token_issued_or_revoked_on_one_peer_holds_on_every_peer(tmp_path: Pat
                 near.join(m.JoinRequest("osc-0", token=token))
         finally:
             near.close()
+        files[2].path.write_text("{not json")  # a token file mangled beside peer 2: the others go on sharing
+        _, second = files[1].issue("tacc", timedelta(days=1))
+        wait_for(lambda: any(r.id == second.id for r in files[0].read()), "the new token on peer 0")
+        time.sleep(0.5)  # several sync points with peer 2's file unreadable
+        assert files[2].path.read_text() == "{not json"  # left for its owner to mend, never overwritten
         assert all(s.group is not None and s.group.failed is None for s in servers)

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from geofed_hpc.errors import UnavailableError
+from geofed_hpc.errors import CheckpointError, UnavailableError
+from geofed_hpc.log import logger
 from geofed_hpc.ps.aggregate import Params
 from geofed_hpc.ps.coordinator import Coordinator
 from geofed_hpc.ps.group.sync import SyncPoint
@@ -18,6 +19,8 @@ from geofed_hpc.ps.rounds import RoundTotals
 from geofed_hpc.ps.sessions import Session
 from geofed_hpc.ps.tokens import TokenFile, canonical, from_canonical, tokens_path
 from geofed_hpc.rpc import messages as m
+
+UNREAD = (-1, -1, -1)  # the token file's stamp before it was first read
 
 
 class GroupedCoordinator(Coordinator):
@@ -31,7 +34,8 @@ class GroupedCoordinator(Coordinator):
         self._seeds: list[tuple[m.PushHeader, Params, str]] = []  # init pushes the group has yet to pick from
         super().__init__(*args, **kwargs)
         self.token_file = TokenFile(tokens_path(self.cfg.state_dir)) if self.cfg.state_dir else None
-        self._token_digest: tuple[tuple[int, int, int] | None, str] = (None, "")
+        self._token_digest: tuple[tuple[int, int, int] | None, str] = (UNREAD, "")
+        self._token_trouble = ""  # the last token-file problem logged (each is logged once)
 
     def seed_from(self, session: Session, header: m.PushHeader, params: Params) -> m.PushReply:
         with self._cond:
@@ -65,8 +69,8 @@ class GroupedCoordinator(Coordinator):
 
     # ---------------------------------------------------------------- enrollment tokens, shared by the group
     def tokens_digest(self) -> str:
-        """The identity of this PS's token records ("" without a state directory, where it keeps none); read again
-        only when the file changed."""
+        """The identity of this PS's token records, read again only when the file changed; "" where it shares
+        none: without a state directory, or while its token file cannot be read."""
         if self.token_file is None:
             return ""
         try:
@@ -74,23 +78,42 @@ class GroupedCoordinator(Coordinator):
             stamp: tuple[int, int, int] | None = (st.st_ino, st.st_mtime_ns, st.st_size)
         except FileNotFoundError:
             stamp = None
-        if stamp != self._token_digest[0] or not self._token_digest[1]:
-            records = self.token_file.read() if stamp else []
-            self._token_digest = (stamp, hashlib.sha256(canonical(records)).hexdigest())
+        if stamp != self._token_digest[0]:
+            try:
+                records = self.token_file.read() if stamp else []
+                self._token_digest = (stamp, hashlib.sha256(canonical(records)).hexdigest())
+            except CheckpointError as exc:
+                self._token_warning(exc)
+                self._token_digest = (stamp, "")
         return self._token_digest[1]
 
     def token_records(self) -> bytes:
-        """This PS's token records as its peers take them (b"" without a state directory)."""
-        return canonical(self.token_file.read()) if self.token_file is not None else b""
+        """This PS's token records as its peers take them (b"": it shares none, see tokens_digest)."""
+        if self.token_file is None:
+            return b""
+        try:
+            return canonical(self.token_file.read())
+        except CheckpointError as exc:
+            self._token_warning(exc)
+            return b""
 
     def merge_tokens(self, blobs: list[bytes], sources: list[str]) -> list[str]:
         """Every peer's token records (token_records, in `sources`' order) merged into this PS's token file: a
         token issued on any peer admits its site on every peer, one revoked on any is revoked on all. The ids
-        that changed here."""
+        that changed here (none when the file cannot be read or written: that is logged, the group goes on)."""
         if self.token_file is None:
             return []
-        records = [r for blob, source in zip(blobs, sources, strict=True) if blob for r in from_canonical(blob, source)]
-        return self.token_file.merge(records)
+        try:
+            records = [r for blob, src in zip(blobs, sources, strict=True) if blob for r in from_canonical(blob, src)]
+            return self.token_file.merge(records)
+        except (CheckpointError, OSError) as exc:
+            self._token_warning(exc)
+            return []
+
+    def _token_warning(self, exc: Exception) -> None:
+        if str(exc) != self._token_trouble:
+            self._token_trouble = str(exc)
+            logger.warning("PS group: enrollment tokens are not shared with this PS's peers: %s", exc)
 
     def seed_pending(self) -> None:
         """The group seeds from this PS: the first init push offered here becomes the model."""
