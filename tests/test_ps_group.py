@@ -60,8 +60,14 @@ def test_the_sync_decision() -> None:
 def test_peer_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="ps.peer_rank"):
         ps_config(peers=["127.0.0.1:5000", "127.0.0.1:5002"], peer_rank=2)
-    with pytest.raises(ConfigError, match="ps.aggregation=sync"):
-        ps_config(peers=["127.0.0.1:5000", "127.0.0.1:5002"], peer_rank=0, aggregation="async")
+    two = ["127.0.0.1:5000", "127.0.0.1:5002"]
+    with pytest.raises(ConfigError, match=r"ps.peer_sync_interval: .*ps.aggregation=async .* set one"):
+        ps_config(peers=two, peer_rank=0, aggregation="async")
+    with pytest.raises(ConfigError, match=r"ps.peer_sync_interval: .*half of ps.rpc_timeout"):
+        ps_config(peers=two, peer_rank=0, aggregation="buffered", peer_sync_interval="10m")
+    with pytest.raises(ConfigError, match="ps.robust"):
+        ps_config(peers=two, peer_rank=0, aggregation="buffered", peer_sync_interval="5s", robust="median")
+    assert ps_config(peers=two, peer_rank=0, aggregation="async", peer_sync_interval="5s").grouped
     with pytest.raises(ConfigError, match="twice"):
         ps_config(peers=["127.0.0.1:5000", "127.0.0.1:5000"], peer_rank=0)
 
@@ -386,3 +392,42 @@ def test_a_token_issued_or_revoked_on_one_peer_holds_on_every_peer(tmp_path: Pat
         time.sleep(0.5)  # several sync points with peer 2's file unreadable
         assert files[2].path.read_text() == "{not json"  # left for its owner to mend, never overwritten
         assert all(s.group is not None and s.group.failed is None for s in servers)
+
+
+def test_async_peers_pool_their_sites_deltas_and_apply_them_together_every_interval() -> None:
+    params = small_params()
+    with group_of(2, aggregation="async", peer_sync_interval="400ms", peer_codec="fp32") as servers:
+        clients = [client(s) for s in servers]
+        try:
+            sessions = [c.join(m.JoinRequest(f"site-{i}")).session_id for i, c in enumerate(clients)]
+            init = m.PushHeader(sessions[0], 0, 0, 0, "fp32", 0, b"", "seed", init=True)
+            assert clients[0].push_delta(init, codec.encode(params, FP32)).accepted
+            wait_for(lambda: all(s.logic.initialized for s in servers), "the seed on both peers")
+            full = {
+                k: codec.encode({k2: np.full_like(v2, x) for k2, v2 in params.items()}, FP32)
+                for k, x in (("one", 1.0), ("two", 2.0), ("four", 4.0))
+            }
+            # peer 0's site alone: applied at the interval, without waiting for peer 1's site (async)
+            started = time.monotonic()
+            alone = clients[0].push_delta(m.PushHeader(sessions[0], 0, 2, 10, "fp32", 0, b"", "a"), full["one"])
+            assert alone.accepted and alone.version == 1 and time.monotonic() - started < 20, alone
+            # both sites within one interval, one of them a version stale: pooled into one version
+            replies = concurrently(
+                clients,
+                [
+                    (m.PushHeader(sessions[0], 1, 2, 10, "fp32", 0, b"", "b"), full["two"]),
+                    (m.PushHeader(sessions[1], 0, 2, 10, "fp32", 0, b"", "c"), full["four"]),
+                ],
+            )
+            assert all(r.accepted and r.version == 2 for r in replies), replies
+            assert replies[1].staleness == 1
+            wait_for(lambda: all(s.logic.version == 2 for s in servers), "version 2 on both peers")
+            assert len({s.logic.core.model_hash() for s in servers}) == 1
+            model = servers[1].logic.core.model.params
+            assert model is not None
+            pooled = (2.0 + 4.0 / np.sqrt(2.0)) / 2  # the mean of both, the stale one discounted by 1/sqrt(1+1)
+            for k, v in params.items():
+                np.testing.assert_allclose(model[k], v + 1.0 + pooled, rtol=0, atol=1e-5)
+        finally:
+            for c in clients:
+                c.close()

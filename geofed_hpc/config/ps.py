@@ -145,6 +145,9 @@ class PSConfig:
     """How often the peers compare their rounds (whether the group's round may close)."""
     peer_codec: Literal["int8", "fp32"] = "int8"
     """How round sums travel between peers: int8 (all-gathered, 4x smaller) or fp32 (a ring all-reduce)."""
+    peer_sync_interval: Duration = timedelta(0)
+    """A group with ps.aggregation=async or buffered: the peers pool the deltas their sites push (each weighed by
+    its staleness as the mode does) and apply them together this often (sync rounds: unused)."""
 
     def __post_init__(self) -> None:
         check(
@@ -197,11 +200,18 @@ class PSConfig:
                 f"{len(self.peers)} peer(s) and rank {self.peer_rank}",
             )
             check(len(set(self.peers)) == len(self.peers), "ps.peers", f"lists a peer twice: {self.peers}")
+            check(self.robust == "none", "ps.robust", "a PS group all-reduces weighted sums: use ps.robust=none")
             check(
-                self.aggregation == "sync" and self.robust == "none",
-                "ps.peers",
-                "a PS group all-reduces the weighted sums of synchronous rounds: use ps.aggregation=sync and "
-                "ps.robust=none",
+                self.aggregation == "sync" or self.peer_sync_interval > timedelta(0),
+                "ps.peer_sync_interval",
+                f"a PS group with ps.aggregation={self.aggregation} applies its peers' pooled deltas every "
+                "ps.peer_sync_interval: set one (e.g. 30s), or use ps.aggregation=sync",
+            )
+            check(
+                self.peer_sync_interval <= self.rpc_timeout / 2,
+                "ps.peer_sync_interval",
+                f"a grouped PS answers a push once the group applied it: keep it at most half of ps.rpc_timeout "
+                f"({self.rpc_timeout}), got {self.peer_sync_interval}",
             )
 
     @property

@@ -36,6 +36,7 @@ class GroupedCoordinator(Coordinator):
         self.token_file = TokenFile(tokens_path(self.cfg.state_dir)) if self.cfg.state_dir else None
         self._token_digest: tuple[tuple[int, int, int] | None, str] = (UNREAD, "")
         self._token_trouble = ""  # the last token-file problem logged (each is logged once)
+        self._pooled_since = self._clock()  # async / buffered: when the group last applied its pooled deltas
 
     def seed_from(self, session: Session, header: m.PushHeader, params: Params) -> m.PushReply:
         with self._cond:
@@ -57,13 +58,19 @@ class GroupedCoordinator(Coordinator):
         return self.ledger.remember(header.push_id, m.PushReply(False, self.model.version, reason))
 
     def sync_point(self) -> SyncPoint:
-        """What this PS shows its peers at a sync point."""
+        """What this PS shows its peers at a sync point. Sync rounds: whether every active site pushed and whether
+        the round's deadline passed. Async and buffered: never complete; due once ps.peer_sync_interval passed
+        since the group last applied its pooled deltas."""
         with self._cond:
             active, r = self.sessions.active(), self.strategy.round
-            timed_out = r.deadline is not None and r.now() >= r.deadline
+            if self.strategy.waits_for_sites:
+                complete, timed_out = active <= r.pushed, r.deadline is not None and r.now() >= r.deadline
+            else:
+                interval = self.cfg.peer_sync_interval.total_seconds()
+                complete, timed_out = False, self._clock() - self._pooled_since >= interval
             digest = self.model.digest().hex() if self.model.initialized else ""
             init, version = self.model.initialized, self.model.version
-            point = SyncPoint(init, version, digest, r.count, active <= r.pushed, timed_out, bool(self._seeds))
+            point = SyncPoint(init, version, digest, r.count, complete, timed_out, bool(self._seeds))
         point.tokens = self.tokens_digest()
         return point
 
@@ -182,7 +189,10 @@ class GroupedCoordinator(Coordinator):
     def close_group_round(self, reduce: Callable[[RoundTotals], RoundTotals]) -> bool:
         """Close the group's round with every peer's sums (`reduce`); whether the model moved."""
         with self._cond:
-            return self._close_round("group", reduce)
+            moved = self._close_round("group", reduce)
+            if moved:
+                self._pooled_since = self._clock()
+            return moved
 
     def learn_pushes(self, push_ids: list[str]) -> None:
         """Pushes a peer applied in the round just closed: a resend of one here is answered, never applied."""

@@ -22,14 +22,17 @@ POLL = timedelta(milliseconds=50)
 
 
 def identity(cfg: RunConfig) -> dict[str, Any]:
-    """What peers must agree on to keep one model: the model, paradigm, codecs, outer optimizer and peer list."""
+    """What peers must agree on to keep one model: the model, paradigm, codecs, aggregation, outer optimizer and
+    peer list."""
+    ps = cfg.ps
     return {
         "model": to_dict(cfg.model),
         "paradigm": cfg.paradigm.describe(),
         "codec": cfg.codec.name,
-        "peer_codec": cfg.ps.peer_codec,
-        "outer_optimizer": [cfg.ps.outer_optimizer, cfg.ps.global_lr, cfg.ps.momentum, cfg.ps.weighting],
-        "peers": list(cfg.ps.peers),
+        "peer_codec": ps.peer_codec,
+        "aggregation": [ps.aggregation, ps.peer_sync_interval.total_seconds(), ps.max_staleness],
+        "outer_optimizer": [ps.outer_optimizer, ps.global_lr, ps.momentum, ps.weighting],
+        "peers": list(ps.peers),
     }
 
 

@@ -21,6 +21,10 @@ class Strategy(ABC):
     Lock: none; not thread-safe. The coordinator's lock guards every call but `prepare`.
     """
 
+    # A round waits for every active site (sync); else deltas come as they come, and a PS group pools them over
+    # ps.peer_sync_interval.
+    waits_for_sites = False
+
     def __init__(self, cfg: PSConfig, round: OpenRound) -> None:
         self.cfg = cfg
         self.round = round

@@ -12,6 +12,8 @@ class SyncRounds(Strategy):
     waits for hears "sync now" in its heartbeat. Deltas wait in the open round, so they are journaled.
     Lock: as Strategy."""
 
+    waits_for_sites = True
+
     def ready(self, active: set[str]) -> bool:
         r = self.round
         if len(r.pushed) < self.cfg.min_sites:  # too few sites for a round yet: only its deadline closes it
