@@ -19,10 +19,10 @@ import pytest
 from geofed_hpc import codec
 from geofed_hpc.cli import main
 from geofed_hpc.config import CodecConfig, ModelConfig, RunConfig
-from geofed_hpc.errors import AuthError, ConfigError, GeofedError, MismatchError, UnavailableError
+from geofed_hpc.errors import AuthError, ConfigError, GeofedError, MismatchError, ProtocolError, UnavailableError
 from geofed_hpc.ps.app import ParameterServer
 from geofed_hpc.ps.group.membership import form
-from geofed_hpc.ps.group.rendezvous import identity
+from geofed_hpc.ps.group.rendezvous import check_identities, identity
 from geofed_hpc.ps.group.sync import SyncPoint, decide
 from geofed_hpc.ps.tokens import TokenFile, tokens_path
 from geofed_hpc.rpc import messages as m
@@ -431,3 +431,16 @@ def test_async_peers_pool_their_sites_deltas_and_apply_them_together_every_inter
         finally:
             for c in clients:
                 c.close()
+
+
+def test_a_peer_of_another_build_is_refused_at_rendezvous_or_at_its_first_sync_point() -> None:
+    cfg = group_cfg(peers(2), 0, f"127.0.0.1:{free_port()}")
+    mine = identity(cfg)
+    older = {**mine, "geofed_hpc": "0.0.9"}
+    with pytest.raises(MismatchError, match=r'peer 1 .* has geofed_hpc "0.0.9", this PS .* has geofed_hpc "'):
+        check_identities(cfg.ps, mine, {1: older})
+    p = point(digest="a", joiners=[2])
+    assert SyncPoint.unpack(p.pack()) == p
+    newer = json.dumps({**json.loads(p.pack()), "quorum": 2}).encode()  # a field this build does not know
+    with pytest.raises(ProtocolError, match=r"unknown fields \['quorum'\].*same geofed-hpc"):
+        SyncPoint.unpack(newer)

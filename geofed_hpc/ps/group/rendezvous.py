@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import torch.distributed as dist
 
+from geofed_hpc import __version__
 from geofed_hpc.config import PSConfig, RunConfig, to_dict
 from geofed_hpc.config.fields import split_host_port
 from geofed_hpc.errors import ConfigError, MismatchError, UnavailableError
@@ -22,10 +23,11 @@ POLL = timedelta(milliseconds=50)
 
 
 def identity(cfg: RunConfig) -> dict[str, Any]:
-    """What peers must agree on to keep one model: the model, paradigm, codecs, aggregation, outer optimizer and
-    peer list."""
+    """What peers must agree on to keep one model: the geofed-hpc version, model, paradigm, codecs, aggregation,
+    outer optimizer and peer list."""
     ps = cfg.ps
     return {
+        "geofed_hpc": __version__,
         "model": to_dict(cfg.model),
         "paradigm": cfg.paradigm.describe(),
         "codec": cfg.codec.name,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
+
+from geofed_hpc.errors import ProtocolError
 
 Action = Literal["wait", "reform", "seed", "adopt", "mismatch", "close"]
 
@@ -30,7 +32,17 @@ class SyncPoint:
 
     @classmethod
     def unpack(cls, data: bytes) -> SyncPoint:
-        return cls(**json.loads(data))
+        """What `pack` wrote on a peer; ProtocolError when it is not what this build packs (another version)."""
+        raw = json.loads(data)
+        unknown = sorted(set(raw) - {f.name for f in fields(cls)})
+        try:
+            if unknown:
+                raise TypeError(f"unknown fields {unknown}")
+            return cls(**raw)
+        except TypeError as exc:
+            raise ProtocolError(
+                f"a peer's sync point does not read as this PS's ({exc}): every peer must run the same geofed-hpc"
+            ) from None
 
 
 @dataclass
