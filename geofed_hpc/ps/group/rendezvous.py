@@ -8,12 +8,12 @@ import json
 import os
 import time
 from datetime import timedelta
+from importlib import metadata
 from pathlib import Path
 from typing import Any, cast
 
 import torch.distributed as dist
 
-from geofed_hpc import __version__
 from geofed_hpc.config import PSConfig, RunConfig, to_dict
 from geofed_hpc.config.fields import split_host_port
 from geofed_hpc.errors import ConfigError, MismatchError, UnavailableError
@@ -22,12 +22,20 @@ from geofed_hpc.ps.group.collectives import Group, PeerLost
 POLL = timedelta(milliseconds=50)
 
 
+def _build() -> str:
+    """The installed geofed-hpc version ("unknown" when it runs from a tree that was never installed)."""
+    try:
+        return metadata.version("geofed-hpc")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def identity(cfg: RunConfig) -> dict[str, Any]:
     """What peers must agree on to keep one model: the geofed-hpc version, model, paradigm, codecs, aggregation,
     outer optimizer and peer list."""
     ps = cfg.ps
     return {
-        "geofed_hpc": __version__,
+        "geofed_hpc": _build(),
         "model": to_dict(cfg.model),
         "paradigm": cfg.paradigm.describe(),
         "codec": cfg.codec.name,
