@@ -170,16 +170,24 @@ def client(ps: ParameterServer) -> PSClient:
     return c
 
 
+def join_and_seed(
+    servers: list[ParameterServer], clients: list[PSClient], params: dict[str, np.ndarray], via: int = 0
+) -> list[str]:
+    """Site `site-i` joins peer i; the group is seeded with `params` through peer `via`. The sessions."""
+    sessions = [c.join(m.JoinRequest(f"site-{i}")).session_id for i, c in enumerate(clients)]
+    init = m.PushHeader(sessions[via], 0, 0, 0, "fp32", 0, b"", "seed", init=True)
+    assert clients[via].push_delta(init, codec.encode(params, FP32)).accepted
+    wait_for(lambda: all(s.logic.initialized for s in servers), "every peer to hold the seed")
+    return sessions
+
+
 @pytest.mark.parametrize("peer_codec", ["int8", "fp32"])
 def test_three_peers_apply_identical_updates_and_know_each_others_pushes(peer_codec: str) -> None:
     params = small_params()
     with group_of(3, peer_codec=peer_codec) as servers:
         clients = [client(s) for s in servers]
         try:
-            sessions = [c.join(m.JoinRequest(f"site-{i}")).session_id for i, c in enumerate(clients)]
-            init = m.PushHeader(sessions[1], 0, 0, 0, "fp32", 0, b"", "seed", init=True)
-            assert clients[1].push_delta(init, codec.encode(params, FP32)).accepted  # seeded through peer 1
-            wait_for(lambda: all(s.logic.initialized for s in servers), "every peer to hold the seed")
+            sessions = join_and_seed(servers, clients, params, via=1)
             late = m.PushHeader(sessions[2], 0, 0, 0, "fp32", 0, b"", "late", init=True)
             assert not clients[2].push_delta(late, codec.encode(small_params(seed=5), FP32)).accepted
             hashes = {s.logic.core.model_hash() for s in servers}
@@ -239,10 +247,7 @@ def test_a_stopped_peer_shrinks_the_group_and_rejoins_from_a_live_peer(
     with group_of(3, peer_timeout="8s", state_dir=str(tmp_path / "ps")) as servers:
         clients = [client(s) for s in servers]
         try:
-            sessions = [c.join(m.JoinRequest(f"site-{i}")).session_id for i, c in enumerate(clients)]
-            init = m.PushHeader(sessions[0], 0, 0, 0, "fp32", 0, b"", "seed", init=True)
-            assert clients[0].push_delta(init, codec.encode(params, FP32)).accepted
-            wait_for(lambda: all(s.logic.initialized for s in servers), "every peer to hold the seed")
+            sessions = join_and_seed(servers, clients, params)
             push_round(clients, sessions, 0, params)
             wait_for(lambda: all(s.logic.version == 1 for s in servers), "version 1")
             gone_cfg = servers[2].cfg
@@ -321,10 +326,7 @@ def test_a_peer_whose_model_differs_takes_the_majoritys_and_keeps_its_open_round
         clients = [client(s) for s in servers]
         pool = ThreadPoolExecutor(1)  # peer 2's site pushes while the round waits for the other two sites
         try:
-            sessions = [c.join(m.JoinRequest(f"site-{i}")).session_id for i, c in enumerate(clients)]
-            init = m.PushHeader(sessions[0], 0, 0, 0, "fp32", 0, b"", "seed", init=True)
-            assert clients[0].push_delta(init, codec.encode(params, FP32)).accepted
-            wait_for(lambda: all(s.logic.initialized for s in servers), "every peer to hold the seed")
+            sessions = join_and_seed(servers, clients, params)
             ones = {k: np.ones_like(v) for k, v in params.items()}
             pushes = [
                 (m.PushHeader(s, 0, 2, 10, "fp32", 0, b"", f"r0-{i}"), codec.encode(ones, FP32))
@@ -399,10 +401,7 @@ def test_async_peers_pool_their_sites_deltas_and_apply_them_together_every_inter
     with group_of(2, aggregation="async", peer_sync_interval="400ms", peer_codec="fp32") as servers:
         clients = [client(s) for s in servers]
         try:
-            sessions = [c.join(m.JoinRequest(f"site-{i}")).session_id for i, c in enumerate(clients)]
-            init = m.PushHeader(sessions[0], 0, 0, 0, "fp32", 0, b"", "seed", init=True)
-            assert clients[0].push_delta(init, codec.encode(params, FP32)).accepted
-            wait_for(lambda: all(s.logic.initialized for s in servers), "the seed on both peers")
+            sessions = join_and_seed(servers, clients, params)
             full = {
                 k: codec.encode({k2: np.full_like(v2, x) for k2, v2 in params.items()}, FP32)
                 for k, x in (("one", 1.0), ("two", 2.0), ("four", 4.0))

@@ -212,3 +212,22 @@ def test_merging_a_peers_records_adds_its_tokens_and_its_earliest_revocations(tm
     assert mine.merge(theirs.read()) == [kept.id]  # an earlier revocation time wins
     assert next(r for r in mine.read() if r.id == kept.id).revoked == revoked
     assert mine.merge([later]) == []  # a later one changes nothing
+
+
+def test_a_token_file_mangled_under_a_running_ps_keeps_the_tokens_read_before(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "tokens.json"
+    token, record = TokenFile(path).issue("osc", timedelta(days=1))
+    verifier = TokenVerifier(path)
+    assert [r.id for r in verifier.records() or []] == [record.id]
+    path.write_text("{not json")
+    with caplog.at_level("ERROR", logger="geofed_hpc"):
+        assert verifier.check("osc", token) == record.id  # still admitted: the last good read holds
+        assert verifier.records() is None and not verifier.readable  # nothing to share with a PS group's peers
+        verifier.check("osc", token)
+    assert sum("cannot be read" in r.getMessage() for r in caplog.records) == 1  # read once per change, not per call
+    TokenFile(path).path.unlink()
+    TokenFile(path).issue("tacc", timedelta(0))
+    assert [r.site for r in verifier.records() or []] == ["tacc"] and verifier.readable  # mended: read again
+    assert TokenVerifier(None).records() is None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -17,10 +16,8 @@ from geofed_hpc.ps.group.sync import SyncPoint
 from geofed_hpc.ps.persist import PSState
 from geofed_hpc.ps.rounds import RoundTotals
 from geofed_hpc.ps.sessions import Session
-from geofed_hpc.ps.tokens import TokenFile, canonical, from_canonical, tokens_path
+from geofed_hpc.ps.tokens import TokenFile, canonical, from_canonical
 from geofed_hpc.rpc import messages as m
-
-UNREAD = (-1, -1, -1)  # the token file's stamp before it was first read
 
 
 class GroupedCoordinator(Coordinator):
@@ -33,9 +30,9 @@ class GroupedCoordinator(Coordinator):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._seeds: list[tuple[m.PushHeader, Params, str]] = []  # init pushes the group has yet to pick from
         super().__init__(*args, **kwargs)
-        self.token_file = TokenFile(tokens_path(self.cfg.state_dir)) if self.cfg.state_dir else None
-        self._token_digest: tuple[tuple[int, int, int] | None, str] = (UNREAD, "")
-        self._token_trouble = ""  # the last token-file problem logged (each is logged once)
+        path = self.sessions.verifier.path  # the token file (None without a state directory)
+        self.token_file = TokenFile(path) if path is not None else None
+        self._token_trouble = ""  # the last problem merging the peers' tokens, logged once
         self._pooled_since = self._clock()  # async / buffered: when the group last applied its pooled deltas
 
     def seed_from(self, session: Session, header: m.PushHeader, params: Params) -> m.PushReply:
@@ -60,7 +57,7 @@ class GroupedCoordinator(Coordinator):
     def sync_point(self) -> SyncPoint:
         """What this PS shows its peers at a sync point. Sync rounds: whether every active site pushed and whether
         the round's deadline passed. Async and buffered: never complete; due once ps.peer_sync_interval passed
-        since the group last applied its pooled deltas."""
+        since the group last applied its pooled deltas. And the digest of its enrollment token records."""
         with self._cond:
             active, r = self.sessions.active(), self.strategy.round
             if self.strategy.waits_for_sites:
@@ -71,38 +68,17 @@ class GroupedCoordinator(Coordinator):
             digest = self.model.digest().hex() if self.model.initialized else ""
             init, version = self.model.initialized, self.model.version
             point = SyncPoint(init, version, digest, r.count, complete, timed_out, bool(self._seeds))
-        point.tokens = self.tokens_digest()
+        records = self.token_records()
+        point.tokens = hashlib.sha256(records).hexdigest() if records else ""
         return point
 
     # ---------------------------------------------------------------- enrollment tokens, shared by the group
-    def tokens_digest(self) -> str:
-        """The identity of this PS's token records, read again only when the file changed; "" where it shares
-        none: without a state directory, or while its token file cannot be read."""
-        if self.token_file is None:
-            return ""
-        try:
-            st = os.stat(self.token_file.path)
-            stamp: tuple[int, int, int] | None = (st.st_ino, st.st_mtime_ns, st.st_size)
-        except FileNotFoundError:
-            stamp = None
-        if stamp != self._token_digest[0]:
-            try:
-                records = self.token_file.read() if stamp else []
-                self._token_digest = (stamp, hashlib.sha256(canonical(records)).hexdigest())
-            except CheckpointError as exc:
-                self._token_warning(exc)
-                self._token_digest = (stamp, "")
-        return self._token_digest[1]
-
     def token_records(self) -> bytes:
-        """This PS's token records as its peers take them (b"": it shares none, see tokens_digest)."""
-        if self.token_file is None:
-            return b""
-        try:
-            return canonical(self.token_file.read())
-        except CheckpointError as exc:
-            self._token_warning(exc)
-            return b""
+        """This PS's token records as its peers take them (b"": it shares none, having no state directory, or
+        while its token file cannot be read)."""
+        with self._cond:  # the verifier is the sessions', used under this lock
+            records = self.sessions.verifier.records()
+        return canonical(records) if records is not None else b""
 
     def merge_tokens(self, blobs: list[bytes], sources: list[str]) -> list[str]:
         """Every peer's token records (token_records, in `sources`' order) merged into this PS's token file: a
@@ -114,13 +90,10 @@ class GroupedCoordinator(Coordinator):
             records = [r for blob, src in zip(blobs, sources, strict=True) if blob for r in from_canonical(blob, src)]
             return self.token_file.merge(records)
         except (CheckpointError, OSError) as exc:
-            self._token_warning(exc)
+            if str(exc) != self._token_trouble:  # each problem is logged once, not at every sync point
+                self._token_trouble = str(exc)
+                logger.warning("PS group: the peers' enrollment tokens cannot be merged here: %s", exc)
             return []
-
-    def _token_warning(self, exc: Exception) -> None:
-        if str(exc) != self._token_trouble:
-            self._token_trouble = str(exc)
-            logger.warning("PS group: enrollment tokens are not shared with this PS's peers: %s", exc)
 
     def seed_pending(self) -> None:
         """The group seeds from this PS: the first init push offered here becomes the model."""

@@ -200,6 +200,7 @@ class TokenVerifier:
         self._stamp: tuple[int, int, int] | None = None
         self._by_id: dict[str, TokenRecord] = {}
         self._had_file = False
+        self.readable = True  # False while the token file, changed on disk, cannot be read (the last read holds)
         self._refresh(strict=True)
 
     def _refresh(self, strict: bool = False) -> None:
@@ -210,7 +211,7 @@ class TokenVerifier:
         except FileNotFoundError:
             if self._stamp is not None:
                 logger.warning("token file %s is gone: only ps.enroll_token admits new sites now", self.path)
-            self._stamp, self._by_id = None, {}
+            self._stamp, self._by_id, self.readable = None, {}, True
             return
         stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
         if stamp == self._stamp:
@@ -221,10 +222,17 @@ class TokenVerifier:
             if strict:
                 raise
             logger.exception("token file changed but cannot be read; keeping the tokens read before")
+            self._stamp, self.readable = stamp, False  # read again once it changes, not at every call
             return
-        self._stamp, self._had_file = stamp, True
+        self._stamp, self._had_file, self.readable = stamp, True, True
         self._by_id = {r.id: r for r in records}
         logger.info("read %d token(s) from %s", len(records), self.path)
+
+    def records(self) -> list[TokenRecord] | None:
+        """The issued tokens' records as last read (read again when the file changed); None without a token file,
+        or while it cannot be read."""
+        self._refresh()
+        return list(self._by_id.values()) if self.path is not None and self.readable else None
 
     @property
     def required(self) -> bool:
