@@ -6,9 +6,9 @@
 The corpus is made on the fly from the shipped Bible's verses: a .jsonl of documents whose lengths spread from one
 verse to thousands (log-normal), and a .txt that is one very long line. Each run is `geofed-hpc data prepare` in its
 own process (GPT-2 tokenizer, 2 shards), timed from start to the written index. Reported per run: tokens/s (all
-tokens over the whole command's wall time), peak RSS (the largest sum over the command's process tree, its workers
-included, sampled every 50 ms), the SHA-256 of every shard's ids in order (every run must agree), and the CPU
-seconds the command and its workers got with `cores` = CPU seconds / wall seconds: on a shared machine this says
+tokens over the whole command's wall time), peak RSS (the largest sum over the command's process tree, sampled
+every 50 ms), the SHA-256 of every shard's ids in order (every run must agree), and the CPU seconds the command
+and any child of it got with `cores` = CPU seconds / wall seconds: on a shared machine this says
 how much of the machine a run actually had, which the tokens/s ratio depends on. Each worker count runs --repeats
 times, alternated; its row ({"workers", "tokens_per_s", "peak_rss_mb", "ids_sha256"}, as the issue names it) is
 its fastest run's tokens/s (the same rule for both sides) and its largest peak RSS; every run, whole, is in "runs".
@@ -88,7 +88,7 @@ def prepare(corpus: Path, run_dir: Path, workers: int) -> dict[str, Any]:
         peak = max(peak, tree_rss(proc.pid))
         time.sleep(0.05)
     seconds = time.monotonic() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the command and its workers (reaped): CPU it got
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the command and its children (reaped): CPU it got
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     output = proc.stdout.read() if proc.stdout else ""
     if proc.returncode:

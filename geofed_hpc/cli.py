@@ -47,7 +47,7 @@ COMMANDS = {
     "token list": "list the issued tokens: ids, sites, created, expires, revoked (never a secret)",
     "data prepare": "tokenize data.source (a file, folder or glob of .txt/.jsonl/.jsonl.gz/.jsonl.zst/.parquet, or a "
     "`datasets` save_to_disk folder) into site.num_sites token shards + validation under RUN_DIR/data, on "
-    "data.workers processes; an interrupted prepare continues",
+    "data.workers threads (a core each); an interrupted prepare continues",
     "export hf": "export hf SRC OUT [--dtype bf16|fp32] [--site NAME] [--force]: write a trained model (SRC: a run "
     "directory's newest global model, a PS snapshot or a site checkpoint) as a Hugging Face folder",
     "generate": 'generate SRC --prompt "..." [--max-new-tokens N] [--temperature T] [--site NAME]: continue a '

@@ -148,9 +148,8 @@ def test_an_interrupted_prepare_continues_and_a_finished_one_is_not_redone(
     assert prepared(source, tmp_path / "out") == expected_ids([*documents(60), "one more"])  # a changed corpus
 
 
-def test_worker_processes_give_the_same_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_worker_threads_give_the_same_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(encode, "BATCH_CHARS", 3000)
-    monkeypatch.setattr(prepare, "SMALL", 0)
     source = tmp_path / "c.jsonl"
     source.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents(40)))
     one = prepared(source, tmp_path / "one", workers=1)

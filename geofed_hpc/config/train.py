@@ -55,7 +55,7 @@ class DataConfig:
     text_field: str = "text"
     """The field of each .jsonl record, .parquet column or save_to_disk column that holds the text."""
     workers: ZeroOrMore = 0
-    """Processes that tokenize in `data prepare` (0: one per CPU core)."""
+    """Threads that tokenize in `data prepare`, a core each (0: one per CPU core)."""
     cache_dir: str = ""
     """Token cache ("": $GEOFED_CACHE or ~/.cache/geofed_hpc)."""
     val_fraction: Annotated[StrictFloat, Field(gt=0, lt=0.5)] = 0.02

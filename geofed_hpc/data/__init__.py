@@ -1,5 +1,5 @@
 """Offline text data: tokenizers, corpus sources, `data prepare` token shards, batch samplers (imported lazily, so
-that tokenizing processes never load torch)."""
+that `data prepare` never loads torch)."""
 
 from __future__ import annotations
 

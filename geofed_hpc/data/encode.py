@@ -1,26 +1,25 @@
-"""Text pieces to token arrays, in this process or on worker processes, in order and with bounded memory."""
+"""Text pieces to token arrays, on one thread or on several (the tokenizer releases the GIL), in order and with
+bounded memory."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tokenizers import Tokenizer as Backend
 
-if TYPE_CHECKING:  # worker processes import this module: keep them light (no pydantic, no config)
+if TYPE_CHECKING:
     from geofed_hpc.data.tokenizer import Tokenizer
 
 BATCH_CHARS = 1 << 18  # characters of text per unit of work
 IN_FLIGHT = 4  # units of work queued per worker (bounds memory, keeps every worker busy)
 # (text, separate): `separate` puts the end-of-text id before the text (it starts a document, not the first).
 Batch = list[tuple[str, bool]]
-_worker: dict[str, Any] = {}
 
 
 def batches(pieces: Iterable[tuple[str, bool]], skip: int = 0) -> Iterator[Batch]:
@@ -50,17 +49,6 @@ def encode(backend: Backend, batch: Batch, eot: int, dtype: np.dtype[Any]) -> np
     return np.array(ids, dtype=dtype)
 
 
-def _start(tokenizer_json: str, eot: int, dtype: str) -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
-    backend = Backend.from_str(tokenizer_json)
-    backend.encode_special_tokens = True
-    _worker.update(backend=backend, eot=eot, dtype=np.dtype(dtype))
-
-
-def _work(batch: Batch) -> np.ndarray:
-    return encode(_worker["backend"], batch, _worker["eot"], _worker["dtype"])
-
-
 @contextmanager
 def _one_core() -> Iterator[None]:
     old = os.environ.get("TOKENIZERS_PARALLELISM")
@@ -75,29 +63,26 @@ def _one_core() -> Iterator[None]:
 
 
 def encoded(tok: Tokenizer, units: Iterable[Batch], workers: int = 1) -> Iterator[np.ndarray]:
-    """The token array of each unit, in order: here (workers <= 1, one core), or on `workers` processes with at
-    most IN_FLIGHT units per worker waiting, so memory does not grow with the corpus."""
-    if workers <= 1:
-        with _one_core():
+    """The token array of each unit, in order: on this thread (workers <= 1), or on `workers` threads with at most
+    IN_FLIGHT units per thread waiting, so memory does not grow with the corpus. Each call into the tokenizer uses one
+    core and releases the GIL, so `workers` threads keep `workers` cores busy with one copy of the tokenizer (two
+    threads tokenize 1.9-2.0x as fast as one on 2 cores, where two worker processes reached 1.6x)."""
+    with _one_core():
+        if workers <= 1:
             for unit in units:
                 yield encode(tok.backend, unit, tok.eot_id, tok.dtype)
-        return
-    pool = ProcessPoolExecutor(
-        workers,
-        mp_context=multiprocessing.get_context("spawn"),  # a fresh interpreter: no torch, no inherited threads
-        initializer=_start,
-        initargs=(tok.to_json(), tok.eot_id, tok.dtype.str),
-    )
-    pending: deque[Future[np.ndarray]] = deque()
-    try:
-        for unit in units:
-            pending.append(pool.submit(_work, unit))
-            if len(pending) >= IN_FLIGHT * workers:
+            return
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="tokenize")
+        pending: deque[Future[np.ndarray]] = deque()
+        try:
+            for unit in units:
+                pending.append(pool.submit(encode, tok.backend, unit, tok.eot_id, tok.dtype))
+                if len(pending) >= IN_FLIGHT * workers:
+                    yield pending.popleft().result()
+            while pending:
                 yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def default_workers(requested: int) -> int:

@@ -1,4 +1,4 @@
-"""`data prepare`: a corpus to memory-mapped token shards, tokenized on worker processes, resumable, with progress."""
+"""`data prepare`: a corpus to memory-mapped token shards, tokenized on several threads, resumable, with progress."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from geofed_hpc.errors import ConfigError
 from geofed_hpc.log import logger
 
 STAGING = ".prepare"  # the token stream so far (tokens.bin) and how far it got (progress.json), inside the output
-SMALL = 16 << 20  # sources smaller than this many bytes are tokenized in this process (workers cost a second)
 PROGRESS_SECONDS = 5.0  # between progress lines
 COMMIT_SECONDS = 10.0  # between durable records of how far the stream got (what a resumed prepare starts from)
 _COPY = 1 << 22  # tokens per copy step when splitting the stream into shards
@@ -154,7 +153,7 @@ def prepare_shards(
     cfg: DataConfig, out_dir: Path, num_shards: int, tok: Tokenizer | None = None, workers: int = 0
 ) -> ShardIndex:
     """Tokenize cfg.source into `num_shards` disjoint train shards and one val shard (the tail) under out_dir, on
-    `workers` processes (0: data.workers). An interrupted prepare continues; one that finished is not redone."""
+    `workers` threads (0: data.workers). An interrupted prepare continues; one that finished is not redone."""
     if num_shards < 1:
         raise ConfigError(f"site.num_sites: data prepare needs at least one shard, got {num_shards}")
     tok = tok or load_tokenizer(cfg.tokenizer)
@@ -177,7 +176,6 @@ def prepare_shards(
     (out_dir / INDEX).unlink(missing_ok=True)  # a half-rewritten folder must not pass for a prepared one
     staging = out_dir / STAGING
     workers = encode.default_workers(workers or cfg.workers)
-    workers = 1 if sum(f.size for f in files) < SMALL else workers
     try:
         state = _stage(cfg, tok, files, staging, workers)
         index = _split(cfg, tok, staging / "tokens.bin", state, out_dir, num_shards)

@@ -95,7 +95,7 @@ class Tokenizer:
         return str(self.backend.decode(values, skip_special_tokens=False))
 
     def to_json(self) -> str:
-        """The tokenizer as tokenizer.json text (what worker processes rebuild it from)."""
+        """The tokenizer as tokenizer.json text."""
         return str(self.backend.to_str())
 
     def side_config(self) -> dict[str, Any]:
