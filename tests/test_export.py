@@ -63,6 +63,7 @@ def hf_logits(folder: Path, ids: torch.Tensor = IDS) -> torch.Tensor:
     [
         (GPT, ParadigmConfig(name="ravan", targets=["attn.qkv", "mlp.fc"], heads=2, rank=2)),
         (LLAMA, ParadigmConfig(name="lora", rank=2, alpha=4.0)),
+        (GPT, ParadigmConfig(name="lora", targets=["attn.qkv", "lm_head"], rank=1)),  # the tied embedding too
     ],
 )
 def test_adapters_are_merged_and_transformers_gives_our_logits(

@@ -200,6 +200,19 @@ def test_lora_starts_as_the_base_model_and_trains_only_a_and_b() -> None:
     assert trainable and all(n.endswith((".lora_a", ".lora_b")) for n in trainable)
 
 
+def test_a_tied_output_layer_is_adapted_on_the_embedding_and_acts_on_both_ends() -> None:
+    assert MODEL.tie_embeddings
+    model = build_model(MODEL, seed=0)
+    site_paradigm(ParadigmConfig(name="lora", targets=["lm_head"], rank=1), 0).prepare(model)
+    trainable = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {"wte.lora_a": (1, MODEL.d_model), "wte.lora_b": (MODEL.vocab_size, 1)}
+    x = torch.randint(0, MODEL.vocab_size, (2, 16))
+    before = model.wte(x).detach().clone()
+    with torch.no_grad():
+        model.get_parameter("wte.lora_b").normal_(0, 0.1)
+    assert not torch.allclose(model.wte(x), before)  # the lookup sees the adapter, not only the output layer
+
+
 def _zo_logic(seed: int) -> tuple[ParameterServerLogic, dict[str, np.ndarray]]:
     cfg = ParadigmConfig(name="zo", seed=seed)
     logic = ParameterServerLogic(ps_config(), m.RunSettings(codec="fp32"), exchange=exchange_for(cfg, 4))
@@ -298,9 +311,24 @@ def test_zo_keeps_an_unfinished_round_across_a_checkpoint() -> None:
     assert again.wire_update(base, base)[ZO_CHECK][0] == np.float32(direction_check(11, 5, spec))
 
 
-@pytest.mark.parametrize("paradigm", ["lora", "ravan", "hybrid_lora"])
-def test_the_global_model_merges_into_a_plain_model_with_the_same_outputs(paradigm: str) -> None:
-    cfg = ParadigmConfig(name=paradigm, **PARADIGMS[paradigm])
+TIED_HEAD = {"targets": ["attn.qkv", "lm_head"], "rank": 2}  # the output layer shares the embedding's weight
+
+
+@pytest.mark.parametrize(
+    "paradigm, settings",
+    [
+        ("lora", PARADIGMS["lora"]),
+        ("ravan", PARADIGMS["ravan"]),
+        ("hybrid_lora", PARADIGMS["hybrid_lora"]),
+        ("lora", TIED_HEAD),
+        ("ravan", {**TIED_HEAD, "heads": 2}),
+        ("hybrid_lora", {**TIED_HEAD, "base_steps": 2, "adapter_steps": 1}),
+    ],
+)
+def test_the_global_model_merges_into_a_plain_model_with_the_same_outputs(
+    paradigm: str, settings: dict[str, Any]
+) -> None:
+    cfg = ParadigmConfig(name=paradigm, **settings)
     adapted, plain = build_model(MODEL, seed=0), build_model(MODEL, seed=1)
     site = site_paradigm(cfg, 3)
     site.prepare(adapted)

@@ -187,7 +187,8 @@ class ParadigmConfig:
     targets: Annotated[list[str], OneOrMany] = field(default_factory=list)
     """lora / hybrid_lora / ravan: the nn.Linear layers to adapt, by name or dotted suffix (attn.qkv matches
     blocks.0.attn.qkv, blocks.1.attn.qkv, ...); [] (the default): the model family's attention layers
-    (gpt2: attn.qkv, attn.proj; llama: attn.q, attn.k, attn.v, attn.o)."""
+    (gpt2: attn.qkv, attn.proj; llama: attn.q, attn.k, attn.v, attn.o). An output layer tied to the token embedding
+    (lm_head) is adapted on both ends, its tensors held by the embedding (wte.lora_a, ...)."""
     rank: AtLeastOne = 4
     """Adapter rank."""
     alpha: Positive = 8.0

@@ -1,4 +1,9 @@
-"""Adapters added to a model's nn.Linear layers in place: LoRA (A, B) and RAVAN (shared A_i, B_i, heads H_i)."""
+"""Adapters added to a model's nn.Linear layers in place: LoRA (A, B) and RAVAN (shared A_i, B_i, heads H_i).
+
+An output layer whose weight is the token embedding's (tied) is adapted on both of its ends: the adapter's tensors
+live on the embedding module (`wte.lora_a`, ...) and act on the lookup too, so the adapted model is exactly the
+plain model with the merged weight W + delta W, the way the export writes it.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from geofed_hpc.config import ParadigmConfig
@@ -47,6 +53,15 @@ def select_targets(model: nn.Module, targets: list[str]) -> dict[str, nn.Linear]
     return chosen
 
 
+def _owner(model: nn.Module, name: str, layer: nn.Linear) -> tuple[str, nn.Module, nn.Embedding | None]:
+    """Where a target's adapter tensors live: on the layer, or (a tied output layer) on the embedding it shares its
+    weight with, which the adapter then also acts on."""
+    for other, mod in model.named_modules():
+        if isinstance(mod, nn.Embedding) and mod.weight is layer.weight:
+            return other, mod, mod
+    return name, layer, None
+
+
 def _generator(seed: int, name: str) -> torch.Generator:
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
@@ -73,23 +88,35 @@ def _param(layer: nn.Linear, shape: tuple[int, ...], fill: Any, trainable: bool)
 
 def add_lora(model: nn.Module, cfg: ParadigmConfig) -> list[str]:
     """y = W x + b + (alpha / rank) B A x on each target; A (rank x in) small random, B (out x rank) zero,
-    so the adapted model starts as the base. Returns the adapted layer names."""
+    so the adapted model starts as the base. Returns the names of the modules holding the adapters."""
     chosen = select_targets(model, cfg.targets)
     scale = cfg.alpha / cfg.rank
+    owners = []
     for name, layer in chosen.items():
         _check_rank(name, layer, cfg.rank)
-        a = torch.randn(cfg.rank, layer.in_features, generator=_generator(cfg.seed, name)) / math.sqrt(
-            layer.in_features
-        )
-        layer.lora_a = _param(layer, (cfg.rank, layer.in_features), a, True)
-        layer.lora_b = _param(layer, (layer.out_features, cfg.rank), None, True)
+        owner_name, owner, embedding = _owner(model, name, layer)
+        a = torch.randn(cfg.rank, layer.in_features, generator=_generator(cfg.seed, owner_name))
+        owner.lora_a = _param(layer, (cfg.rank, layer.in_features), a / math.sqrt(layer.in_features), True)
+        owner.lora_b = _param(layer, (layer.out_features, cfg.rank), None, True)
 
-        def hook(mod: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor, s: float = scale) -> torch.Tensor:
-            a, b = mod.get_parameter("lora_a"), mod.get_parameter("lora_b")
+        def hook(
+            mod: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor, s: float = scale, own: nn.Module = owner
+        ) -> torch.Tensor:
+            a, b = own.get_parameter("lora_a"), own.get_parameter("lora_b")
             return out + (args[0].to(a.dtype) @ a.t() @ b.t()).to(out.dtype) * s
 
         layer.register_forward_hook(hook)
-    return list(chosen)
+        if embedding is not None:  # the lookup of row i of W + s B A: W[i] + s B[i] A
+
+            def lookup(
+                mod: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor, s: float = scale
+            ) -> torch.Tensor:
+                a, b = mod.get_parameter("lora_a"), mod.get_parameter("lora_b")
+                return out + (F.embedding(args[0], b) @ a).to(out.dtype) * s
+
+            embedding.register_forward_hook(lookup)
+        owners.append(owner_name)
+    return owners
 
 
 def add_ravan(model: nn.Module, cfg: ParadigmConfig) -> list[str]:
@@ -97,25 +124,42 @@ def add_ravan(model: nn.Module, cfg: ParadigmConfig) -> list[str]:
     frozen random, the heads H_i (rank x rank) trainable and zero at the start."""
     chosen = select_targets(model, cfg.targets)
     scale = cfg.alpha / cfg.rank
+    owners = []
     for name, layer in chosen.items():
         _check_rank(name, layer, cfg.rank)
-        gen = _generator(cfg.seed, name)
+        owner_name, owner, embedding = _owner(model, name, layer)
+        gen = _generator(cfg.seed, owner_name)
         for i in range(cfg.heads):
             a = torch.randn(layer.out_features, cfg.rank, generator=gen) / math.sqrt(cfg.rank)
             b = torch.randn(cfg.rank, layer.in_features, generator=gen) / math.sqrt(layer.in_features)
-            setattr(layer, f"ravan_a{i}", _param(layer, a.shape, a, False))
-            setattr(layer, f"ravan_b{i}", _param(layer, b.shape, b, False))
-            setattr(layer, f"ravan_h{i}", _param(layer, (cfg.rank, cfg.rank), None, True))
+            setattr(owner, f"ravan_a{i}", _param(layer, a.shape, a, False))
+            setattr(owner, f"ravan_b{i}", _param(layer, b.shape, b, False))
+            setattr(owner, f"ravan_h{i}", _param(layer, (cfg.rank, cfg.rank), None, True))
+
+        def factors(mod: nn.Module, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return tuple(mod.get_parameter(f"ravan_{part}{i}") for part in "ahb")  # type: ignore[return-value]
 
         def hook(
-            mod: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor, s: float = scale, k: int = cfg.heads
+            mod: nn.Module,
+            args: tuple[torch.Tensor, ...],
+            out: torch.Tensor,
+            s: float = scale,
+            k: int = cfg.heads,
+            own: nn.Module = owner,
         ) -> torch.Tensor:
             x = args[0].to(torch.float32)
-            extra = sum(
-                x @ getattr(mod, f"ravan_b{i}").t() @ getattr(mod, f"ravan_h{i}").t() @ getattr(mod, f"ravan_a{i}").t()
-                for i in range(k)
-            )
+            extra = sum(x @ b.t() @ h.t() @ a.t() for a, h, b in (factors(own, i) for i in range(k)))
             return out + extra.to(out.dtype) * s  # type: ignore[union-attr]
 
         layer.register_forward_hook(hook)
-    return list(chosen)
+        if embedding is not None:  # the lookup of row i of W + s sum_j A_j H_j B_j
+
+            def lookup(
+                mod: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor, s: float = scale, k: int = cfg.heads
+            ) -> torch.Tensor:
+                extra = sum(F.embedding(args[0], a) @ h @ b for a, h, b in (factors(mod, i) for i in range(k)))
+                return out + extra.to(out.dtype) * s  # type: ignore[union-attr]
+
+            embedding.register_forward_hook(lookup)
+        owners.append(owner_name)
+    return owners
