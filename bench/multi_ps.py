@@ -4,14 +4,15 @@
 
 Three `geofed-hpc ps up` processes form a PS group (ps.peers, gloo over a TCP store on 127.0.0.1); two site
 processes (ClientJob, tiny model, disjoint shards of the shipped Bible) dial each peer, nearest first, the next
-peer second. Once the group reaches --kill-at, peer 2 is SIGKILLed; its sites fail over; after --down-s it is
+peer second. Once the group reaches --kill-at, peer --kill (2; 0 is the one serving the group's store, so that
+the lowest peer left must succeed it) is SIGKILLed; its sites fail over; after --down-s it is
 started again and rejoins (taking the model from a live peer). Read from the peers' group.jsonl and the sites'
 metrics:
 
   versions, identical_versions   versions the group made; versions whose digest matched on every live peer
   failover_s                     the last round applied before the kill -> the first round after it that holds
                                  every site's delta again (the failed-over sites' first applied pushes)
-  rejoin_s                       restart of peer 2 -> its first version compared in the group
+  rejoin_s                       restart of the killed peer -> its first version compared in the group
   lost, doubled                  syncs the sites counted (each an answered push) that no round applied; push ids
                                  applied twice
   allreduce_mb_per_s             a peer's share of a round's sums over the time of its exchange (mean)
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import statistics
@@ -40,10 +42,19 @@ ROOT = Path(__file__).resolve().parent.parent
 PEERS, SITES_PER_PEER = 3, 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_pair() -> int:
+    """A loopback port p with p + 1 free too (a peer serves the group's store there if it succeeds peer 0), both
+    below the ephemeral range the peers' own outgoing connections take their source ports from."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 32766)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
 
 
 def site_main(cfg_file: str, index: str, address: str) -> None:
@@ -146,8 +157,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     data = DataConfig(tokenizer="gpt2", source="bible", max_tokens=60000, val_fraction=0.05, cache_dir=str(work / "c"))
     prepare_shards(data, shards, PEERS * SITES_PER_PEER)
     cfg_file = site_config(work, shards, args)
-    addresses = [f"127.0.0.1:{free_port()}" for _ in range(PEERS)]
-    rendezvous = f"127.0.0.1:{free_port()}"
+    addresses = [f"127.0.0.1:{free_pair()}" for _ in range(PEERS)]
+    rendezvous = f"127.0.0.1:{free_pair()}"
     peers = [Peer(work, r, addresses, rendezvous, args) for r in range(PEERS)]
     for peer in peers:
         peer.start()
@@ -169,13 +180,14 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                         cmd, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1"}, stdout=out, stderr=subprocess.STDOUT
                     )
                 )
-        wait(lambda: any(r["version"] >= args.kill_at for r in rows(peers[0].state, "applied")), 600, "--kill-at")
-        last_before = max(r["time"] for r in rows(peers[2].state, "applied"))
+        killed, watch = peers[args.kill], peers[1 if args.kill == 0 else 0]  # watched: a peer that stays up
+        wait(lambda: any(r["version"] >= args.kill_at for r in rows(watch.state, "applied")), 600, "--kill-at")
+        last_before = max(r["time"] for r in rows(killed.state, "applied"))
         t_kill = time.time()
-        peers[2].kill()
+        killed.kill()
         time.sleep(args.down_s)
         t_restart = time.time()
-        peers[2].start()
+        killed.start()
         wait(lambda: all(s.poll() is not None for s in sites), 1200, "the sites to finish")
         codes = [s.returncode for s in sites]
     finally:
@@ -184,7 +196,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 os.kill(s.pid, signal.SIGKILL)
         for peer in peers:
             peer.kill()
-    applied = rows(peers[0].state, "applied")
+    applied = rows(watch.state, "applied")
     ids = [p for r in applied for p in r["push_ids"]]
     syncs = [
         sum(1 for r in read_jsonl(work / "run" / "metrics" / f"local-{i}.metrics.jsonl") if "train/loss" in r)
@@ -192,7 +204,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     ]
     everyone = len(sites)
     back = [r["time"] for r in applied if r["time"] > t_kill and r["count"] >= everyone]
-    rejoined = [r["time"] for r in rows(peers[2].state, "compared") if r["time"] > t_restart]
+    rejoined = [r["time"] for r in rows(killed.state, "compared") if r["time"] > t_restart]
     compared = {r["version"] for p in peers for r in rows(p.state, "compared")}
     mismatched = {r["version"] for p in peers for r in rows(p.state, "mismatch")}
     versions = max(r["version"] for r in applied) + 1
@@ -236,8 +248,9 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=Path("multi_ps.json"))
     p.add_argument("--syncs", type=int, default=8, help="syncs per site")
     p.add_argument("--local-steps", type=int, default=3)
-    p.add_argument("--kill-at", type=int, default=3, help="SIGKILL peer 2 once the group reaches this version")
-    p.add_argument("--down-s", type=float, default=5.0, help="how long peer 2 stays down")
+    p.add_argument("--kill", type=int, default=2, choices=range(PEERS), help="the peer to SIGKILL and restart")
+    p.add_argument("--kill-at", type=int, default=3, help="SIGKILL it once the group reaches this version")
+    p.add_argument("--down-s", type=float, default=5.0, help="how long it stays down")
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     p.add_argument("--site", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 from collections.abc import Callable
@@ -17,6 +18,22 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_pair() -> int:
+    """A loopback port p, with p + 1 (where a PS group peer serves its store), both free a moment ago and both below
+    the kernel's ephemeral range: the peers' own outgoing connections (store probes, gloo) take their source ports
+    from that range, so one could otherwise land on a port a peer is about to listen on."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 32766)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+        except OSError:
+            continue
+        return port
 
 
 def _entry(rank: int, fn: Callable[..., None], world: int, port: int, args: tuple[Any, ...]) -> None:

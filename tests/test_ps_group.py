@@ -28,7 +28,7 @@ from geofed_hpc.ps.tokens import TokenFile, tokens_path
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 from tests.conftest import ps_config, small_params
-from tests.dist_util import free_port
+from tests.dist_util import free_pair
 
 FP32 = CodecConfig(name="fp32")
 INT8 = CodecConfig(name="int8", block_size=64)
@@ -73,7 +73,7 @@ def test_peer_settings_are_checked() -> None:
 
 
 def peers(n: int) -> list[str]:
-    return [f"127.0.0.1:{free_port()}" for _ in range(n)]
+    return [f"127.0.0.1:{free_pair()}" for _ in range(n)]
 
 
 def meet_all(cfgs: list[RunConfig]) -> list[Any]:
@@ -102,7 +102,7 @@ def group_cfg(addresses: list[str], rank: int, rendezvous: str, **ps: Any) -> Ru
 
 
 def test_a_peer_with_another_model_or_secret_or_peer_list_is_refused_naming_both() -> None:
-    addresses, rdv = peers(3), f"127.0.0.1:{free_port()}"
+    addresses, rdv = peers(3), f"127.0.0.1:{free_pair()}"
     cfgs = [group_cfg(addresses, r, rdv) for r in range(3)]
     cfgs[2] = replace(cfgs[2], model=ModelConfig(name="other", d_model=64))
     errors = meet_all(cfgs)
@@ -110,20 +110,20 @@ def test_a_peer_with_another_model_or_secret_or_peer_list_is_refused_naming_both
     assert "peer 2" in str(errors[0]) and '"name": "other"' in str(errors[0]) and "this PS (peer 0" in str(errors[0])
     assert '"name": "tiny"' in str(errors[0])  # both models named
 
-    addresses, rdv = peers(2), f"127.0.0.1:{free_port()}"
+    addresses, rdv = peers(2), f"127.0.0.1:{free_pair()}"
     cfgs = [group_cfg(addresses, 0, rdv), group_cfg(addresses, 1, rdv, peer_secret="wrong")]
     errors = meet_all(cfgs)
     assert all(isinstance(e, MismatchError) and "shared secret" in str(e) for e in errors), errors
 
-    addresses, rdv = peers(2), f"127.0.0.1:{free_port()}"
-    other = [addresses[0], f"127.0.0.1:{free_port()}"]
+    addresses, rdv = peers(2), f"127.0.0.1:{free_pair()}"
+    other = [addresses[0], f"127.0.0.1:{free_pair()}"]
     cfgs = [group_cfg(addresses, 0, rdv), replace(group_cfg(other, 1, rdv))]
     errors = meet_all(cfgs)
     assert all(isinstance(e, MismatchError) and "peers" in str(e) for e in errors), errors
 
 
 def test_a_peer_that_never_arrives_times_out_naming_it(tmp_path: Path) -> None:
-    addresses, rdv = peers(3), f"127.0.0.1:{free_port()}"
+    addresses, rdv = peers(3), f"127.0.0.1:{free_pair()}"
     secret = tmp_path / "secret"
     secret.write_text("from-a-file\n")
     cfgs = [
@@ -136,7 +136,7 @@ def test_a_peer_that_never_arrives_times_out_naming_it(tmp_path: Path) -> None:
 
 @contextmanager
 def group_of(n: int, **ps: Any) -> Iterator[list[ParameterServer]]:
-    addresses, rdv = peers(n), f"127.0.0.1:{free_port()}"
+    addresses, rdv = peers(n), f"127.0.0.1:{free_pair()}"
     servers: list[Any] = [None] * n
 
     def start(i: int) -> None:
@@ -240,8 +240,9 @@ def push_round(clients: list[PSClient], sessions: list[str], version: int, param
     assert all(r.accepted for r in concurrently(clients, pushes))
 
 
+@pytest.mark.parametrize("stopped", [2, 0])  # peer 0 serves the group's store: peer 1 serves a new one
 def test_a_stopped_peer_shrinks_the_group_and_rejoins_from_a_live_peer(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], stopped: int
 ) -> None:
     params = small_params()
     with group_of(3, peer_timeout="8s", state_dir=str(tmp_path / "ps")) as servers:
@@ -250,25 +251,32 @@ def test_a_stopped_peer_shrinks_the_group_and_rejoins_from_a_live_peer(
             sessions = join_and_seed(servers, clients, params)
             push_round(clients, sessions, 0, params)
             wait_for(lambda: all(s.logic.version == 1 for s in servers), "version 1")
-            gone_cfg = servers[2].cfg
-            clients[2].close()
-            servers[2].stop(timedelta(seconds=1))  # leaves: the other two re-form and go on alone
-            live = servers[:2]
-            wait_for(lambda: all(s.group is not None and s.group.stats.members == [0, 1] for s in live), "shrink")
+            live = [i for i in range(3) if i != stopped]
+            gone_cfg = servers[stopped].cfg
+            clients[stopped].close()
+            servers[stopped].stop(timedelta(seconds=1))  # leaves: the other two re-form and go on alone
+            wait_for(lambda: all(servers[i].group.stats.members == live for i in live), "shrink")
             for version in (1, 2):
-                push_round(clients[:2], sessions[:2], version, params)
-                wait_for(lambda v=version: all(s.logic.version == v + 1 for s in live), f"version {version + 1}")
-            assert all(s.group is not None and s.group.failed is None for s in live)
-            assert main(["status", f"ps.address={live[0].address}"]) == 0
+                push_round([clients[i] for i in live], [sessions[i] for i in live], version, params)
+                wait_for(
+                    lambda v=version: all(servers[i].logic.version == v + 1 for i in live), f"version {version + 1}"
+                )
+            assert all(servers[i].group is not None and servers[i].group.failed is None for i in live)
+            assert main(["status", f"ps.address={servers[live[0]].address}"]) == 0
             shown = capsys.readouterr().out
-            assert "PS group generation 1: 2 of 3 peers" in shown and f"{gone_cfg.ps.peers[2]:<24}gone" in shown
-            servers[2] = ParameterServer(gone_cfg)  # back on its port: taken back at the next sync point
-            back = servers[2]
+            assert "PS group generation 1: 2 of 3 peers" in shown and f"{gone_cfg.ps.peers[stopped]:<24}gone" in shown
+            servers[stopped] = ParameterServer(gone_cfg)  # back on its port: taken back at the next sync point
+            back = servers[stopped]
             wait_for(lambda: back.logic.initialized and back.logic.version == 3, "the rejoined peer at version 3")
             assert len({s.logic.core.model_hash() for s in servers}) == 1  # bit for bit, optimizer state too
-            assert back.group is not None and back.group.stats.adopted_from == 0 and back.group.joined.generation == 2
-            assert back.logic.core.ledger.knows("v2-0-" + sessions[0][:6])  # the push ids came with the model
-            clients[2] = client(back)  # its site comes back to it: its session was in the PS's snapshot
+            assert (
+                back.group is not None
+                and back.group.stats.adopted_from == live[0]
+                and back.group.joined.generation == 2
+            )
+            assert back.group.joined.server == live[0]  # peer 0 stopped: peer 1 serves the store, peer 0 found it there
+            assert back.logic.core.ledger.knows("v2-0-" + sessions[live[0]][:6])  # the push ids came with the model
+            clients[stopped] = client(back)  # its site comes back to it: its session was in the PS's snapshot
             push_round(clients, sessions, 3, params)
             wait_for(lambda: all(s.logic.version == 4 for s in servers), "version 4 with all three")
             assert len({s.logic.core.model_hash() for s in servers}) == 1
@@ -433,7 +441,7 @@ def test_async_peers_pool_their_sites_deltas_and_apply_them_together_every_inter
 
 
 def test_a_peer_of_another_build_is_refused_at_rendezvous_or_at_its_first_sync_point() -> None:
-    cfg = group_cfg(peers(2), 0, f"127.0.0.1:{free_port()}")
+    cfg = group_cfg(peers(2), 0, f"127.0.0.1:{free_pair()}")
     mine = identity(cfg)
     older = {**mine, "geofed_hpc": "0.0.9"}
     with pytest.raises(MismatchError, match=r'peer 1 .* has geofed_hpc "0.0.9", this PS .* has geofed_hpc "'):

@@ -20,7 +20,7 @@ from geofed_hpc.metrics import read_jsonl
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 from tests.conftest import bible_shards, ps_config
-from tests.dist_util import free_port
+from tests.dist_util import free_pair
 from tests.site_procs import Site, events, wait_for
 from tests.test_site_client import site_cfg
 
@@ -41,9 +41,9 @@ class Peers:
     """`ps up` processes of one group (logs in `folder`/ps-N.log); killed by PID when the test ends."""
 
     def __init__(self, folder: Path, n: int, extra: dict[int, list[str]] | None = None) -> None:
-        self.ports = [free_port() for _ in range(n)]
+        self.ports = [free_pair() for _ in range(n)]  # port + 1: where the peer serves the store if it succeeds
         self.addresses = [f"127.0.0.1:{p}" for p in self.ports]
-        rendezvous = f"127.0.0.1:{free_port()}"
+        rendezvous = f"127.0.0.1:{free_pair()}"
         self.logs = [folder / f"ps-{i}.log" for i in range(n)]
         self.procs: list[subprocess.Popen[bytes]] = []
         self.args: list[list[str]] = []
@@ -162,47 +162,54 @@ def test_a_peer_with_another_model_is_refused_at_rendezvous(tmp_path: Path) -> N
     assert '"name": "tiny_llama"' in logs[0] and '"name": "tiny"' in logs[0], logs[0]
 
 
+@pytest.mark.parametrize("killed", [2, 0])  # peer 0 serves the group's store: the lowest peer left succeeds it
 def test_a_killed_peers_sites_fail_over_nothing_is_lost_or_doubled_and_it_rejoins_bit_for_bit(
-    tmp_path: Path, shards6: Path
+    tmp_path: Path, shards6: Path, killed: int
 ) -> None:
     cfg: dict[str, Any] = site_cfg(tmp_path, shards6, max_syncs=SYNCS, sites=3 * SITES_PER_PS)
     cfg["ps"].update(retry_budget="120s", failover_after="3s")
     sites: list[Site] = []
+    alive = [i for i in range(3) if i != killed]
     with peers(tmp_path, extra={i: ["ps.peer_timeout=10s"] for i in range(3)}) as group:
         wait_for(group.ready, 120, "three peers serving")
         try:
             for i in range(3 * SITES_PER_PS):
                 p = i // SITES_PER_PS
-                nearest_first = f"{group.addresses[p]},{group.addresses[0 if p == 2 else p + 1]}"
+                nearest_first = f"{group.addresses[p]},{group.addresses[(p + 1) % 3]}"
                 sites.append(Site(cfg, tmp_path, nearest_first, index=i))
             wait_for(
                 lambda: (
-                    any(rows_of(tmp_path / "ps-0", "applied"))
-                    if (tmp_path / "ps-0" / "group.jsonl").exists()
+                    any(rows_of(tmp_path / "ps-1", "applied"))
+                    if (tmp_path / "ps-1" / "group.jsonl").exists()
                     else False
                 ),
                 300,
                 "a first round",
             )
-            group.procs[2].kill()  # SIGKILL: its sites' pushes in flight die with it
-            group.procs[2].wait(timeout=30)
+            group.procs[killed].kill()  # SIGKILL: its sites' pushes in flight die with it
+            group.procs[killed].wait(timeout=30)
             for site in sites:
                 assert site.wait(timeout=600) == [0], site.output()
-            finals = [pull_digest(a) for a in group.addresses[:2]]
-            before = len(group.output(2))
-            group.restart(2)  # `ps up` again: taken back at the next sync point, with a live peer's state
-            wait_for(lambda: READY.search(group.output(2)[before:]) is not None, 120, "peer 2 serving again")
-            wait_for(lambda: version_at(group.addresses[2]) == finals[0][0], 120, "peer 2 at the group's version")
-            back = pull_digest(group.addresses[2])
+            finals = [pull_digest(group.addresses[i]) for i in alive]
+            before = len(group.output(killed))
+            group.restart(killed)  # `ps up` again: taken back at the next sync point, with a live peer's state
+            wait_for(lambda: READY.search(group.output(killed)[before:]) is not None, 120, "the peer serving again")
+            at_version = lambda: version_at(group.addresses[killed]) == finals[0][0]  # noqa: E731
+            wait_for(at_version, 120, "the peer at the group's version")
+            back = pull_digest(group.addresses[killed])
         finally:
             for site in sites:
                 site.close()
     assert finals[0] == finals[1] == back, (finals, back)  # the rejoined peer holds the group's model bit for bit
-    assert rows_of(tmp_path / "ps-2", "compared")[-1]["peers"] == 3  # back in the group, compared with both
-    applied = rows_of(tmp_path / "ps-0", "applied")
+    assert rows_of(tmp_path / f"ps-{killed}", "compared")[-1]["peers"] == 3  # back in the group, compared with both
+    applied = rows_of(tmp_path / "ps-1", "applied")
     ids = [p for r in applied for p in r["push_ids"]]
     assert len(ids) == len(set(ids)), ids  # no push applied twice
     assert sum(r["count"] for r in applied) == len(ids) == SYNCS * len(sites)  # and none lost
     assert applied[-1]["peers"] == 2 and applied[0]["peers"] == 3
-    moved = [e for i in (4, 5) for e in events(tmp_path / "run" / "sites" / f"local-{i}") if e["event"] == "rejoin"]
+    orphans = [killed * SITES_PER_PS + k for k in range(SITES_PER_PS)]
+    moved = [e for i in orphans for e in events(tmp_path / "run" / "sites" / f"local-{i}") if e["event"] == "rejoin"]
     assert moved, "the killed peer's sites joined the next peer"
+    if killed == 0:  # peer 1 served the group's store after peer 0, and peer 0 came back to it
+        assert "this PS (peer 1) serves the store on" in group.output(1)
+        assert re.search(r"re-formed \(generation \d+\): peers \[0, 1, 2\]; back: \[0\]", group.output(1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import replace
@@ -15,6 +16,9 @@ from geofed_hpc.paths import writable_dir
 
 
 def cmd_ps_up(cfg: RunConfig) -> int:
+    # torch's C++ store and gloo warnings (a stack trace each time a peer of the group dies) before torch loads: the
+    # PS logs each such failure itself, in one line (TORCH_CPP_LOG_LEVEL=WARNING brings them back)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from geofed_hpc.launch.progress import PSProgress
     from geofed_hpc.ps.app import ParameterServer
 

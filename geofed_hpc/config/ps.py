@@ -134,7 +134,8 @@ class PSConfig:
     peer_rank: Annotated[StrictInt, Field(ge=-1)] = -1
     """This PS's index in ps.peers (-1: no group)."""
     peer_rendezvous: HostPort = ""
-    """The group's rendezvous (a TCP store that peer 0 serves) ("": peer 0's host, its port + 1)."""
+    """The group's rendezvous (a TCP store that peer 0 serves) ("": peer 0's host, its port + 1). When peer 0 dies,
+    the lowest peer left serves the store on its own host at its port + 1."""
     peer_secret: str = ""
     """The secret every peer proves it knows at rendezvous (an HMAC, never sent)."""
     peer_secret_file: str = ""

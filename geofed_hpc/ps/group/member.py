@@ -14,7 +14,7 @@ from geofed_hpc.config import CodecConfig, PSConfig
 from geofed_hpc.errors import GeofedError
 from geofed_hpc.log import logger
 from geofed_hpc.ps.group.collectives import PeerLost, Traffic, allgather_bytes, broadcast_bytes
-from geofed_hpc.ps.group.membership import Joined, connect, form, joiners, leave, reform
+from geofed_hpc.ps.group.membership import Joined, StoreLost, connect, form, joiners, leave, reform, succeed
 from geofed_hpc.ps.group.reduce import Reduced, merged, pack_state, reduce_round, unpack_state
 from geofed_hpc.ps.group.sync import Decision, SyncPoint, decide
 from geofed_hpc.ps.rounds import RoundTotals
@@ -136,7 +136,7 @@ class PeerGroup:
         """One sync point with every peer (the same collectives in the same order on each)."""
         pg = self.joined.pg
         mine = self.core.sync_point()
-        if self.cfg.peer_rank == 0:
+        if self.cfg.peer_rank == self.joined.server:
             mine.joiners = joiners(self.cfg, self.joined.store, self.joined.members, self.identity)
         points = [SyncPoint.unpack(b) for b in allgather_bytes(pg, mine.pack(), "sync point")]
         self._share_tokens(points)
@@ -171,9 +171,13 @@ class PeerGroup:
     def _reform(self, joining: list[int]) -> None:
         """A new generation: the members still alive and `joining` (ranks in ps.peers), in a new gloo group."""
         old = self.joined
-        members = reform(self.cfg, old.store, old.members, old.generation, joining)
+        try:
+            store, server, members = old.store, old.server, reform(self.cfg, old, joining)
+        except StoreLost as exc:  # the server is gone: the lowest member left serves a new store
+            logger.warning("PS group: %s; choosing a new server", exc)
+            store, server, members = succeed(self.cfg, self.identity, old)
         self._shutdown()
-        self.joined = connect(self.cfg, old.store, old.generation + 1, members)
+        self.joined = connect(self.cfg, store, old.generation + 1, members, server)
         self.stats.generation, self.stats.members = self.joined.generation, list(members)
 
     def _compared(self, points: list[SyncPoint]) -> None:

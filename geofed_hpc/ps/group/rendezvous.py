@@ -6,6 +6,7 @@ import hashlib
 import hmac
 import json
 import os
+import socket
 import time
 from datetime import timedelta
 from importlib import metadata
@@ -20,6 +21,8 @@ from geofed_hpc.errors import ConfigError, MismatchError, UnavailableError
 from geofed_hpc.ps.group.collectives import Group, PeerLost
 
 POLL = timedelta(milliseconds=50)
+NONCE = "gen0/nonce"  # the store's nonce, which every hello proves the shared secret over
+PROBE = timedelta(seconds=1)  # how long a look for a listening store may take
 
 
 def _build() -> str:
@@ -48,9 +51,16 @@ def identity(cfg: RunConfig) -> dict[str, Any]:
 
 def rendezvous_address(cfg: PSConfig) -> tuple[str, int]:
     """Where peer 0 serves the group's TCP store: ps.peer_rendezvous, else peer 0's host at its port + 1."""
-    if cfg.peer_rendezvous:
+    return store_address(cfg, 0)
+
+
+def store_address(cfg: PSConfig, rank: int) -> tuple[str, int]:
+    """Where peer `rank` serves the group's TCP store when it is the group's server: peer 0 at the rendezvous
+    (ps.peer_rendezvous, else its port + 1); any other peer, once it succeeds a server that died, at its host and
+    port + 1."""
+    if rank == 0 and cfg.peer_rendezvous:
         return split_host_port(cfg.peer_rendezvous)
-    host, port = split_host_port(cfg.peers[0])
+    host, port = split_host_port(cfg.peers[rank])
     return host, port + 1
 
 
@@ -129,6 +139,47 @@ def open_store(cfg: PSConfig) -> dist.Store:
         ) from None
 
 
+def serve_store(cfg: PSConfig) -> dist.Store:
+    """This peer serves a TCP store at its store_address (a new server of a running group)."""
+    host, port = store_address(cfg, cfg.peer_rank)
+    try:
+        return dist.TCPStore(
+            host, port, len(cfg.peers), True, timeout=cfg.peer_timeout, wait_for_workers=False, use_libuv=True
+        )
+    except (RuntimeError, OSError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UnavailableError(
+            f"peer {cfg.peer_rank} cannot serve the PS group's store on {host}:{port} (its port + 1): {first}"
+        ) from None
+
+
+def listening(host: str, port: int) -> bool:
+    """Something accepts TCP connections at host:port (a quick look before a store client, which would retry a
+    refused connection until its timeout)."""
+    try:
+        with socket.create_connection((host, port), timeout=PROBE.total_seconds()):
+            return True
+    except OSError:
+        return False
+
+
+def store_client(cfg: PSConfig, rank: int, wait: timedelta) -> dist.Store | None:
+    """A client of the store peer `rank` serves, once something listens there within `wait` (None: nothing
+    does, or it is not a store)."""
+    host, port = store_address(cfg, rank)
+    deadline = time.monotonic() + wait.total_seconds()
+    while not listening(host, port):
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(POLL.total_seconds())
+    try:
+        return dist.TCPStore(
+            host, port, len(cfg.peers), False, timeout=cfg.peer_timeout, wait_for_workers=False, use_libuv=True
+        )
+    except (RuntimeError, OSError):
+        return None
+
+
 def hello(cfg: PSConfig, identity: dict[str, Any], nonce: bytes) -> str:
     """What this peer shows at the rendezvous: its identity and proof that it knows the shared secret."""
     body = json.dumps(identity, sort_keys=True).encode()
@@ -151,9 +202,9 @@ def check_hello(cfg: PSConfig, identity: dict[str, Any], rank: int, raw: bytes, 
 def meet(cfg: PSConfig, identity: dict[str, Any], store: dist.Store) -> None:
     """Every peer proves it knows the shared secret and shows what it runs; a peer that differs is refused, named."""
     if cfg.peer_rank == 0:
-        store.set("gen0/nonce", os.urandom(16).hex())
-    _wait_keys(store, {0: "gen0/nonce"}, cfg.peer_timeout, "open the rendezvous", cfg)
-    nonce = store.get("gen0/nonce")
+        store.set(NONCE, os.urandom(16).hex())
+    _wait_keys(store, {0: NONCE}, cfg.peer_timeout, "open the rendezvous", cfg)
+    nonce = store.get(NONCE)
     store.set(f"gen0/hello/{cfg.peer_rank}", hello(cfg, identity, nonce))
     others = {r: f"gen0/hello/{r}" for r in range(len(cfg.peers)) if r != cfg.peer_rank}
     _wait_keys(store, others, cfg.peer_timeout, "arrive at the rendezvous", cfg)

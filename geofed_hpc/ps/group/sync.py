@@ -24,7 +24,7 @@ class SyncPoint:
     complete: bool
     timed_out: bool
     seeds: bool = False
-    joiners: list[int] = field(default_factory=list)  # peer 0: peers of ps.peers waiting to be taken back
+    joiners: list[int] = field(default_factory=list)  # the store's server: peers of ps.peers waiting to be taken back
     tokens: str = ""  # the digest of its enrollment token records ("": it keeps none, having no state directory)
 
     def pack(self) -> bytes:
