@@ -261,6 +261,7 @@ def main() -> None:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         result = run(args, work)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     for key, value in result["rows"][0].items():
         print(f"{key:22} {value}")

@@ -13,6 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -23,6 +24,7 @@ from geofed_hpc.data.prepare import prepare_shards
 from geofed_hpc.errors import UnavailableError
 from geofed_hpc.metrics import read_jsonl
 from geofed_hpc.ps.app import ParameterServer
+from geofed_hpc.rpc import client as rpc_client
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 from geofed_hpc.rpc.retry import Backoff
@@ -57,6 +59,41 @@ def test_backoff_doubles_with_jitter_and_stops_at_the_budget() -> None:
     assert all(cap / 2 <= w <= cap for w, cap in zip(waits[:-1], caps, strict=False))
     assert len(set(waits)) == len(waits)  # jittered, not a fixed schedule
     assert Backoff(timedelta(0)).next_wait() is None  # no budget: no retry
+
+
+class Unavailable(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "down"
+
+
+def test_a_call_that_fails_over_tries_the_next_ps_at_once_and_restarts_its_backoff(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now, sleeps = [0.0], []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        now[0] += seconds
+
+    monkeypatch.setattr(rpc_client.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(rpc_client.time, "sleep", sleep)
+    client = PSClient(ps_config(failover_after="1s", retry_budget="60s"), "127.0.0.1:1,127.0.0.1:2")
+    attempts: list[tuple[str, int]] = []  # (address, sleeps before the attempt)
+
+    def call() -> str:
+        attempts.append((client.address, len(sleeps)))
+        if client.address.endswith(":1") or sum(a.endswith(":2") for a, _ in attempts) < 3:
+            raise Unavailable()
+        return "answered"
+
+    assert client._call("Status", call) == "answered"
+    first = next(i for i, (address, _) in enumerate(attempts) if address.endswith(":2"))
+    assert first >= 2 and attempts[first][1] == attempts[first - 1][1]  # the next PS at once, no wait before it
+    grown, restarted = sleeps[attempts[first][1] - 1], sleeps[attempts[first][1]]
+    assert grown > 0.5 >= restarted  # its retries start from the first wait again, not where the dead PS's were
 
 
 def ps_run_config(folder: Path, port: int, **ps: Any) -> RunConfig:

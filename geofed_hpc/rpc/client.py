@@ -152,7 +152,8 @@ class PSClient:
 
     def _call(self, name: str, fn: Callable[[], T], budget: timedelta | None = None) -> T:
         """Call `fn`; while it fails with UNAVAILABLE or DEADLINE_EXCEEDED, retry with jittered exponential
-        backoff until `budget` (ps.retry_budget by default) is spent, then raise UnavailableError."""
+        backoff until `budget` (ps.retry_budget by default) is spent, then raise UnavailableError. After a failover
+        the next PS is tried at once, and its retries start from the first wait again (within the same budget)."""
         backoff = Backoff(self.cfg.retry_budget if budget is None else budget)
         while True:
             try:
@@ -162,7 +163,11 @@ class PSClient:
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.UNAVAILABLE:
+                    dialled = self.address
                     self._unanswered()
+                    if self.address != dialled and self.keep_retrying():  # failed over: the next PS, at once
+                        backoff.restart()
+                        continue
                 wait = backoff.next_wait() if code in _RETRYABLE and self.keep_retrying() else None
                 if wait is None:
                     error = self._error(name, exc)

@@ -27,7 +27,7 @@ class Backoff:
         self.budget = budget
         self._clock = clock
         self._deadline = clock() + budget.total_seconds()
-        self._wait = first.total_seconds()
+        self._wait = self._first = first.total_seconds()
         self._cap = cap.total_seconds()
         self._rng = rng or random.Random()
         self.attempts = 0
@@ -35,6 +35,10 @@ class Backoff:
     @property
     def elapsed(self) -> float:
         return self._clock() - (self._deadline - self.budget.total_seconds())
+
+    def restart(self) -> None:
+        """The next waits start from FIRST_WAIT again, within the same budget (a call that moved to another PS)."""
+        self._wait = self._first
 
     def next_wait(self) -> float | None:
         """Seconds to sleep before the next attempt (never past the budget), or None when none is left."""
