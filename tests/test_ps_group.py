@@ -55,6 +55,11 @@ def test_the_sync_decision() -> None:
     assert decide([point(count=2), point(count=0, complete=False, timed_out=True)]).action == "close"
     assert decide([point(count=2), point(count=0)]).action == "close"  # a peer without sites holds nothing
     assert decide([point(count=0), point(count=0)]).action == "wait"
+    lost = [point(count=2, active=2, expect=6), point(count=2, active=2)]  # a lost peer's 2 sites are failing over
+    assert decide(lost).action == "wait"
+    assert decide([point(count=2, active=2, expect=6), point(count=3, active=3)]).action == "wait"  # one is back
+    assert decide([point(count=2, active=2, expect=6), point(count=4, active=4)]).action == "close"  # both are
+    assert decide([*lost[:1], point(count=2, active=2, timed_out=True)]).action == "close"  # or the deadline passed
 
 
 def test_peer_settings_are_checked() -> None:

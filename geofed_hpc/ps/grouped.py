@@ -68,6 +68,7 @@ class GroupedCoordinator(Coordinator):
             digest = self.model.digest().hex() if self.model.initialized else ""
             init, version = self.model.initialized, self.model.version
             point = SyncPoint(init, version, digest, r.count, complete, timed_out, bool(self._seeds))
+            point.active = len(active)
         records = self.token_records()
         point.tokens = hashlib.sha256(records).hexdigest() if records else ""
         return point

@@ -66,6 +66,8 @@ class PeerGroup:
         self._thread = threading.Thread(target=self._loop, name="ps-group", daemon=True)
         self._reduced: Reduced | None = None
         self._repaired_at = -1  # the version at which this PS last took the majority's model
+        self._sites = 0  # sites active in the group at the last sync point
+        self._expect = 0  # sites the group had before it lost a peer, until its next round closes
         core.group_status = self.fill_status
 
     @property
@@ -136,11 +138,13 @@ class PeerGroup:
         """One sync point with every peer (the same collectives in the same order on each)."""
         pg = self.joined.pg
         mine = self.core.sync_point()
+        mine.expect = self._expect
         if self.cfg.peer_rank == self.joined.server:
             mine.joiners = joiners(self.cfg, self.joined.store, self.joined.members, self.identity)
         points = [SyncPoint.unpack(b) for b in allgather_bytes(pg, mine.pack(), "sync point")]
         self._share_tokens(points)
         decision = decide(points)
+        self._sites = sum(p.active for p in points)
         if decision.action == "reform":
             self._reform(decision.peers)
         elif decision.action == "seed":
@@ -155,6 +159,7 @@ class PeerGroup:
             self._compared(points)
             if decision.action == "close":
                 self._close(points)
+                self._expect = 0
         return decision
 
     def _share_tokens(self, points: list[SyncPoint]) -> None:
@@ -176,6 +181,8 @@ class PeerGroup:
         except StoreLost as exc:  # the server is gone: the lowest member left serves a new store
             logger.warning("PS group: %s; choosing a new server", exc)
             store, server, members = succeed(self.cfg, self.identity, old)
+        if set(old.members) - set(members):  # its sites fail over to the peers left: sync rounds wait for them
+            self._expect = max(self._expect, self._sites)
         self._shutdown()
         self.joined = connect(self.cfg, store, old.generation + 1, members, server)
         self.stats.generation, self.stats.members = self.joined.generation, list(members)

@@ -26,6 +26,8 @@ class SyncPoint:
     seeds: bool = False
     joiners: list[int] = field(default_factory=list)  # the store's server: peers of ps.peers waiting to be taken back
     tokens: str = ""  # the digest of its enrollment token records ("": it keeps none, having no state directory)
+    active: int = 0  # sites active on this PS
+    expect: int = 0  # sites the group had before it lost a peer: a sync round waits for them to come back
 
     def pack(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -64,7 +66,8 @@ def decide(points: list[SyncPoint]) -> Decision:
     offered a model seeds the group (seed); a peer without the newest version takes the model of the lowest peer
     that has it (adopt); the same version under different digests: the peers outside the majority take the model
     of the majority's lowest peer (mismatch; without a majority all of them stop); else the group's round closes
-    once it holds a delta and every peer's sites pushed or any peer's deadline passed (close)."""
+    once it holds a delta and every peer's sites pushed, with as many sites active as any peer expects (the sites
+    of a peer the group lost, failing over), or once any peer's deadline passed (close)."""
     joiners = sorted({j for p in points for j in p.joiners})
     if joiners:
         return Decision("reform", peers=joiners)
@@ -85,6 +88,7 @@ def decide(points: list[SyncPoint]) -> Decision:
         majority = digest if 2 * votes > len(points) else ""
         good = min((i for i, p in enumerate(points) if majority and p.digest == majority), default=-1)
         return Decision("mismatch", good, [i for i, p in enumerate(points) if p.digest != majority], majority)
-    if sum(p.count for p in points) and (all(p.complete for p in points) or any(p.timed_out for p in points)):
+    everyone = all(p.complete for p in points) and sum(p.active for p in points) >= max(p.expect for p in points)
+    if sum(p.count for p in points) and (everyone or any(p.timed_out for p in points)):
         return Decision("close")
     return Decision("wait")
