@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import signal
 import socket
 import statistics
@@ -39,22 +38,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 PEERS, SITES_PER_PEER = 3, 2
 
-
-def free_pair() -> int:
-    """A loopback port p with p + 1 free too (a peer serves the group's store there if it succeeds peer 0), both
-    below the ephemeral range the peers' own outgoing connections take their source ports from."""
-    rng = random.Random()
-    while True:
-        port = rng.randrange(20000, 32766)
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-        except OSError:
-            continue
-        return port
+from tests.dist_util import free_pair  # noqa: E402  (ports p, p + 1 below the ephemeral range)
 
 
 def site_main(cfg_file: str, index: str, address: str) -> None:
