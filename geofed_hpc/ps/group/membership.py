@@ -205,35 +205,12 @@ def _log_generation(generation: int, old: list[int], new: list[int], joining: li
 
 def succeed(cfg: PSConfig, identity: dict[str, Any], joined: Joined) -> tuple[dist.Store, int, list[int]]:
     """The server is gone: the lowest member left serves a new store at its own address (store_address) and names
-    the next generation's members, those that proved the shared secret there within ps.peer_timeout; the others
-    look for it in member order, a candidate that serves nothing within ps.peer_timeout counted as gone too.
-    (store, its server, members)."""
+    the next generation's members; the others look for it in member order, a candidate that serves nothing within
+    ps.peer_timeout counted as gone too. (store, its server, members)."""
     nxt, me = joined.generation + 1, cfg.peer_rank
-    candidates = sorted(r for r in joined.members if r != joined.server)
-    for rank in candidates:
+    for rank in sorted(r for r in joined.members if r != joined.server):
         if rank == me:
-            store = serve_store(cfg)
-            store.set(NONCE, os.urandom(16).hex())
-            store.set(GENERATION, str(joined.generation))  # a peer that restarts now finds a running group here
-            host, port = store_address(cfg, me)
-            logger.warning("PS group: its server is gone; this PS (peer %d) serves the store on %s:%d", me, host, port)
-            others = {r: f"gen{nxt}/hello/{r}" for r in joined.members if r not in (me, joined.server)}
-            deadline = time.monotonic() + cfg.peer_timeout.total_seconds()
-            while time.monotonic() < deadline and not all(store.check([k]) for k in others.values()):
-                time.sleep(POLL.total_seconds())
-            members = [me]
-            for r, key in others.items():
-                if not store.check([key]):
-                    continue
-                try:
-                    check_hello(cfg, identity, r, store.get(key), store.get(NONCE))
-                except MismatchError as exc:
-                    logger.error("PS group: %s", exc)
-                    continue
-                members.append(r)
-            members.sort()
-            publish(store, nxt, members)
-            _log_generation(nxt, joined.members, members, [])
+            store, members = _serve_next(cfg, identity, joined)
             return store, me, members
         found = store_client(cfg, rank, cfg.peer_timeout)
         if found is None:
@@ -251,6 +228,35 @@ def succeed(cfg: PSConfig, identity: dict[str, Any], joined: Joined) -> tuple[di
             raise PeerLost(f"this PS (peer {me}) was left out of the PS group at generation {nxt}")
         return found, rank, members
     raise PeerLost(f"no member of the PS group is left to serve its store (members were {joined.members})")
+
+
+def _serve_next(cfg: PSConfig, identity: dict[str, Any], joined: Joined) -> tuple[dist.Store, list[int]]:
+    """This peer, the new server, opens its store and names as the next generation itself and the members that
+    proved the shared secret and the same identity there within ps.peer_timeout."""
+    nxt, me = joined.generation + 1, cfg.peer_rank
+    store = serve_store(cfg)
+    store.set(NONCE, os.urandom(16).hex())
+    store.set(GENERATION, str(joined.generation))  # a peer that restarts now finds a running group here
+    host, port = store_address(cfg, me)
+    logger.warning("PS group: its server is gone; this PS (peer %d) serves the store on %s:%d", me, host, port)
+    others = {r: f"gen{nxt}/hello/{r}" for r in joined.members if r not in (me, joined.server)}
+    deadline = time.monotonic() + cfg.peer_timeout.total_seconds()
+    while time.monotonic() < deadline and not all(store.check([k]) for k in others.values()):
+        time.sleep(POLL.total_seconds())
+    members = [me]
+    for rank, key in others.items():
+        if not store.check([key]):
+            continue
+        try:
+            check_hello(cfg, identity, rank, store.get(key), store.get(NONCE))
+        except MismatchError as exc:
+            logger.error("PS group: %s", exc)
+            continue
+        members.append(rank)
+    members.sort()
+    publish(store, nxt, members)
+    _log_generation(nxt, joined.members, members, [])
+    return store, members
 
 
 def join_running(cfg: PSConfig, identity: dict[str, Any], store: dist.Store) -> tuple[int, list[int]]:
