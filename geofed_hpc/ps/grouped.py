@@ -112,9 +112,11 @@ class GroupedCoordinator(Coordinator):
             state.push_ids, state.strategy = self.ledger.to_json(), self.strategy.state()
             return state
 
-    def adopt_state(self, state: PSState, source: str) -> None:
+    def adopt_state(self, state: PSState, source: str, quiet: bool = True) -> None:
         """Take a peer's whole state in place of this PS's: its open round and journal go (their sites' pushes
-        are the peer group's to apply now), its push ids join the ones known here."""
+        are the peer group's to apply now), its push ids join the ones known here. With `quiet` (a PS that was
+        away or behind) its sessions count as idle until their sites are back; the group's first model (seed)
+        keeps them active: those sites joined here and wait for it."""
         with self._cond:
             self.model.seed(state.params, state.version, source)
             self.model.outer.load_state(state.momentum)
@@ -123,7 +125,8 @@ class GroupedCoordinator(Coordinator):
             self.strategy.load_state(state.strategy)
             self.ledger.load_json(state.push_ids)
             self._seeds.clear()
-            self.sessions.quiet()  # its sites may have failed over to a peer: they count once they are back
+            if quiet:  # its sites may have failed over to a peer: they count once they are back
+                self.sessions.quiet()
             self.persistence.clear_journal()
             self._snapshot()
             self._cond.notify_all()

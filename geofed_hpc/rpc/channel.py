@@ -1,7 +1,9 @@
-"""Channel and server options (message limits, keepalive) and TLS credentials."""
+"""Channel and server options (message limits, keepalive), TLS credentials, and a plain TCP probe."""
 
 from __future__ import annotations
 
+import socket
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -85,3 +87,12 @@ def channel_credentials(cfg: PSConfig) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=ca)
     key = _read(cfg.client_key_file, "ps.client_key_file")
     return grpc.ssl_channel_credentials(ca, key, _read(cfg.client_cert_file, "ps.client_cert_file"))
+
+
+def listening(host: str, port: int, timeout: timedelta) -> bool:
+    """Something accepts TCP connections at host:port within `timeout` (a refused connection answers at once)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout.total_seconds()):
+            return True
+    except OSError:
+        return False

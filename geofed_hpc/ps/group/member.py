@@ -231,7 +231,7 @@ class PeerGroup:
             if repair:
                 self.core.repair_state(state, self.peer(decision.source))
             else:
-                self.core.adopt_state(state, self.peer(decision.source))
+                self.core.adopt_state(state, self.peer(decision.source), quiet=decision.action == "adopt")
             self.stats.adopted_from = self.joined.members[decision.source]
             logger.info(
                 "PS group: took version %d from %s (%d bytes in %.2fs)",

@@ -6,7 +6,6 @@ import hashlib
 import hmac
 import json
 import os
-import socket
 import time
 from datetime import timedelta
 from importlib import metadata
@@ -19,10 +18,12 @@ from geofed_hpc.config import PSConfig, RunConfig, to_dict
 from geofed_hpc.config.fields import split_host_port
 from geofed_hpc.errors import ConfigError, MismatchError, UnavailableError
 from geofed_hpc.ps.group.collectives import Group, PeerLost
+from geofed_hpc.rpc.channel import listening
 
 POLL = timedelta(milliseconds=50)
 NONCE = "gen0/nonce"  # the store's nonce, which every hello proves the shared secret over
-PROBE = timedelta(seconds=1)  # how long a look for a listening store may take
+PROBE = timedelta(seconds=1)  # how long a look for a listening store may take (a plain TCP connect, before a store
+# client, which would retry a refused connection until its timeout)
 
 
 def _build() -> str:
@@ -153,22 +154,12 @@ def serve_store(cfg: PSConfig) -> dist.Store:
         ) from None
 
 
-def listening(host: str, port: int) -> bool:
-    """Something accepts TCP connections at host:port (a quick look before a store client, which would retry a
-    refused connection until its timeout)."""
-    try:
-        with socket.create_connection((host, port), timeout=PROBE.total_seconds()):
-            return True
-    except OSError:
-        return False
-
-
 def store_client(cfg: PSConfig, rank: int, wait: timedelta) -> dist.Store | None:
     """A client of the store peer `rank` serves, once something listens there within `wait` (None: nothing
     does, or it is not a store)."""
     host, port = store_address(cfg, rank)
     deadline = time.monotonic() + wait.total_seconds()
-    while not listening(host, port):
+    while not listening(host, port, PROBE):
         if time.monotonic() > deadline:
             return None
         time.sleep(POLL.total_seconds())
