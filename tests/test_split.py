@@ -306,6 +306,11 @@ def test_the_server_part_its_optimizer_and_buffer_survive_a_restart(tmp_path: Pa
         answer(logic, upload(session, *batch(i)))
     header, payload = collect(logic.fetch_aux(m.AuxRequest(session, 0, 1)), 1 << 30)
     assert isinstance(header, m.SplitHeader) and header.alignments == 1 and payload  # aligned, then snapshotted
+    # the fitted auxiliary model goes down in the activations' codec (bf16), within its rounding of the fitted one
+    assert header.codec == cfg.paradigm.act_codec == codec.codec_name(payload) == "bf16"
+    down, fitted = codec.decode(payload), service.server.fitted
+    assert sorted(down) == sorted(fitted)
+    assert all(np.allclose(down[k], v, rtol=2**-7, atol=1e-30) for k, v in fitted.items())
     tensors, meta = service.server.state()
     saved = (service.digest(), ({k: v.copy() for k, v in tensors.items()}, meta))
     answer(logic, upload(session, *batch(9)))  # after the snapshot: a crash loses this step

@@ -217,7 +217,8 @@ class ParadigmConfig:
     """fsl_sage: every this many rounds (global versions) the server fits the auxiliary model to the true
     cut-layer gradients of the activations it keeps (alignment)."""
     act_codec: Annotated[str, choice(ACT_CODECS)] = "bf16"
-    """fsl_sage / split: the codec of cut-layer activations and gradients on the wire."""
+    """fsl_sage / split: the codec of cut-layer activations and gradients on the wire, and of the fitted auxiliary
+    model that fsl_sage's sites fetch after an alignment."""
     server_lr: Positive = 3e-3
     """fsl_sage / split, on the PS: AdamW learning rate of the server part and of alignment."""
     align_steps: AtLeastOne = 8

@@ -25,7 +25,6 @@ from geofed_hpc.rpc.stream import collect, digest, to_chunks
 # waits for it; both evaluate the composed model.
 KINDS = {"fsl_sage": ("train", "eval"), "split": ("gradient", "eval")}
 SLACK_BYTES = 1 << 16  # framing and entropy-coding overhead an encoded upload may add to 4 bytes a value
-FP32 = CodecConfig(name="fp32")
 
 
 class SplitService:
@@ -45,6 +44,8 @@ class SplitService:
         global_tensors: Callable[[list[str]], tuple[int, Params]],
     ) -> None:
         self.paradigm, self.model_cfg, self.ps = cfg.paradigm, cfg.model, cfg.ps
+        # the fitted auxiliary model goes down in the activations' codec (bf16 by default: half of fp32's bytes)
+        self.aux_wire = CodecConfig(name=cfg.paradigm.act_codec, block_size=cfg.codec.block_size)
         self.session_site, self.global_tensors = session_site, global_tensors
         self.server = CutServer(cfg.model, cfg.paradigm, cfg.train.seed)
         self._lock = threading.Lock()
@@ -133,8 +134,8 @@ class SplitService:
                 self._save("align")
             fitted, version = dict(self.server.fitted), self.server.aligned_version
             steps, alignments = self.server.steps, self.server.alignments
-        payload = codec.encode(fitted, FP32) if fitted else b""
-        header = m.SplitHeader("", "aux", self.paradigm.cut, [], "fp32", len(payload), digest(payload))
+        payload = codec.encode(fitted, self.aux_wire) if fitted else b""
+        header = m.SplitHeader("", "aux", self.paradigm.cut, [], self.aux_wire.name, len(payload), digest(payload))
         header.version, header.server_steps, header.alignments = version, steps, alignments
         with self._lock:
             self.bytes_sent += len(payload)
