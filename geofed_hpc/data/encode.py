@@ -65,8 +65,8 @@ def _one_core() -> Iterator[None]:
 def encoded(tok: Tokenizer, units: Iterable[Batch], workers: int = 1) -> Iterator[np.ndarray]:
     """The token array of each unit, in order: on this thread (workers <= 1), or on `workers` threads with at most
     IN_FLIGHT units per thread waiting, so memory does not grow with the corpus. Each call into the tokenizer uses one
-    core and releases the GIL, so `workers` threads keep `workers` cores busy with one copy of the tokenizer (two
-    threads tokenize 1.9-2.0x as fast as one on 2 cores, where two worker processes reached 1.6x)."""
+    core and releases the GIL, so `workers` threads keep `workers` cores busy with one copy of the tokenizer
+    (bench/data_prepare.py: two threads 1.8-1.9x as fast as one on 2 cores, where two worker processes reached 1.6x)."""
     with _one_core():
         if workers <= 1:
             for unit in units:

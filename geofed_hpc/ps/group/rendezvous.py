@@ -50,11 +50,6 @@ def identity(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
-def rendezvous_address(cfg: PSConfig) -> tuple[str, int]:
-    """Where peer 0 serves the group's TCP store: ps.peer_rendezvous, else peer 0's host at its port + 1."""
-    return store_address(cfg, 0)
-
-
 def store_address(cfg: PSConfig, rank: int) -> tuple[str, int]:
     """Where peer `rank` serves the group's TCP store when it is the group's server: peer 0 at the rendezvous
     (ps.peer_rendezvous, else its port + 1); any other peer, once it succeeds a server that died, at its host and
@@ -124,7 +119,7 @@ def _wait_keys(store: dist.Store, keys: dict[int, str], timeout: timedelta, what
 
 def open_store(cfg: PSConfig) -> dist.Store:
     """Peer 0 serves the group's TCP store; the others connect to it (waiting up to ps.peer_timeout)."""
-    host, port = rendezvous_address(cfg)
+    host, port = store_address(cfg, 0)  # the rendezvous
     master = cfg.peer_rank == 0
     try:
         return dist.TCPStore(
