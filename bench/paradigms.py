@@ -3,6 +3,7 @@
     python bench/paradigms.py --json paradigms.json         # 2 sites, 5 rounds of 4 steps, a 3.3M GPT-2 shape
     python bench/paradigms.py --only fsl_sage split --fsl server_update_interval=1   # fsl_sage's settings
     python bench/paradigms.py --only lora --set lora:rank=2 'lora:targets=[attn.qkv]'  # any paradigm's settings
+    python bench/paradigms.py --only fsl_sage split --config codec=int4   # any setting, for every row
 
 For each paradigm a local PS runs in this process and two sites run as their own processes (this script with --site,
 exactly as a Slurm task runs ClientJob) on the same token shards, seeds and cadence. The fine-tuning paradigms
@@ -13,18 +14,19 @@ in validation loss over full fine-tuning's. lora adapts the attention layers and
 (SETTINGS): the output layer of this model is tied to the token embedding, which holds 97% of its parameters, so its
 adapter also acts on the embedding, and it is what lets a low-rank update follow the second domain's word
 frequencies (attention alone reaches 0.14 of full fine-tuning's drop). fsl_sage and split train from a random init
-on the shipped text. Bytes per round: what the sites pushed plus what they pulled (split learning: with the
-activations up and the gradients or fitted auxiliary models down; its evaluations apart, in eval_bytes_per_round),
-summed over both sites, averaged over the rounds after the first full download (the bootstrap: a fresh site always
-takes the whole model once). bytes_vs_full compares with the identity row of the same run. Eval loss: site 0's
-validation loss of the model it holds after the last round (split learning: the composed model, the client part of
-the global phi and the server part). bytes_to_target (random starts only): all bytes both ways, bootstrap included,
-until that loss first reaches --target (fixed before any paradigm runs). Expectations: lora under 2% of the full
-bytes and at least 0.6 of full fine-tuning's drop, zo under 1 KB per step, fsl_sage at most half the bytes of split
-to the target.
+on the shipped text, each with the server part's learning rate that served it best (SETTINGS). Bytes per round:
+what the sites pushed plus what they pulled (split learning: with the activations up and the gradients or fitted
+auxiliary models down; its evaluations apart, in eval_bytes_per_round), summed over both sites, averaged over the
+rounds after the first full download (the bootstrap: a fresh site always takes the whole model once). bytes_vs_full
+compares with the identity row of the same run. Eval loss: site 0's validation loss of the model it holds after the
+last round (split learning: the composed model, the client part of the global phi and the server part).
+bytes_to_target (random starts only): all bytes both ways, bootstrap included, until that loss first reaches
+--target (fixed before any paradigm runs); bytes_by_round gives them after every round, for any other target.
+Expectations: lora under 2% of the full bytes and at least 0.6 of full fine-tuning's drop, zo under 1 KB per step,
+fsl_sage at most half the bytes of split to the target.
 --json writes {"rows": [one per paradigm: "paradigm", "bytes_per_round", "bytes_up_per_round",
-"bytes_down_per_round", "bytes_vs_full", "bytes_per_step", "eval_loss", "val_losses", "bytes_to_target",
-"improvement_vs_full", "start", ...], "targets": {...}, "rounds", "steps", "sites"}.
+"bytes_down_per_round", "bytes_vs_full", "bytes_per_step", "eval_loss", "val_losses", "bytes_by_round",
+"bytes_to_target", "improvement_vs_full", "start", ...], "targets": {...}, "rounds", "steps", "sites"}.
 """
 
 from __future__ import annotations
@@ -45,7 +47,12 @@ PARADIGMS = ("identity", "lora", "hybrid_lora", "ravan", "zo", "fsl_sage", "spli
 FINE_TUNING = ("identity", "lora", "hybrid_lora", "ravan", "zo")  # from the pretrained model, on the second domain
 SPLIT = ("fsl_sage", "split")  # evaluated as the composed model: the client part of the global phi + the server part
 LR = {"identity": 3e-3, "lora": 2e-2, "hybrid_lora": 3e-3, "ravan": 2e-2, "zo": 3e-3, "fsl_sage": 3e-3, "split": 3e-3}
-SETTINGS = {"lora": ["targets=[attn.qkv,attn.proj,lm_head]", "rank=1", "alpha=2"]}  # before --set's
+SETTINGS = {  # --fsl's and --set's replace a key given here
+    "lora": ["targets=[attn.qkv,attn.proj,lm_head]", "rank=1", "alpha=2"],
+    # the server part's learning rate, each the best of 0.003, 0.01 and 0.03 for its bytes to the target
+    "fsl_sage": ["server_lr=0.03"],
+    "split": ["server_lr=0.01"],
+}
 OLD_BOOKS = 39  # the shipped Bible's books before the New Testament
 TARGET = 9.0  # the validation loss bytes_to_target counts to, fixed before any paradigm runs (--target)
 
@@ -84,6 +91,7 @@ def run_paradigm(
         f"ps.state_dir={folder / 'ps'}",
         *(f"paradigm.{kv}" for kv in args.paradigm_set.get(name, [])),
         *([f"model.init_from={start}"] if start else []),
+        *args.config,
     ]
     cfg, _ = compose_config(overrides)
     ps = ParameterServer(cfg)
@@ -125,6 +133,7 @@ def run_paradigm(
         "bytes_per_step": total / args.steps,
         "eval_loss": round(losses[-1], 4),
         "val_losses": [round(v, 4) for v in losses],
+        "bytes_by_round": traffic,  # all bytes both ways up to each val_losses entry: any target reads off these
         "target": args.target,
         "bytes_to_target": traffic[reached] if reached is not None else None,
         "rounds_to_target": reached,
@@ -210,17 +219,22 @@ def main() -> None:
     p.add_argument(
         "--set", nargs="*", default=[], metavar="PARADIGM:KEY=VALUE", help="any paradigm's settings (lora:rank=2)"
     )
+    p.add_argument(
+        "--config", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every row (codec=int4)"
+    )
     p.add_argument("--only", nargs="*", default=list(PARADIGMS), choices=PARADIGMS)
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     p.add_argument("--site", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.lr = {k: float(v) for k, v in (kv.split("=", 1) for kv in args.lr)}
-    args.paradigm_set = {"fsl_sage": list(args.fsl), **{k: list(v) for k, v in SETTINGS.items()}}
-    for item in args.set:
+    chosen = {name: dict(kv.split("=", 1) for kv in items) for name, items in SETTINGS.items()}
+    for item in [f"fsl_sage:{kv}" for kv in args.fsl] + args.set:
         name, _, kv = item.partition(":")
         if name not in PARADIGMS or "=" not in kv:
             p.error(f"--set {item}: expected PARADIGM:KEY=VALUE with PARADIGM one of {', '.join(PARADIGMS)}")
-        args.paradigm_set.setdefault(name, []).append(kv)
+        key, value = kv.split("=", 1)
+        chosen.setdefault(name, {})[key] = value
+    args.paradigm_set = {name: [f"{k}={v}" for k, v in kv.items()] for name, kv in chosen.items()}
     if args.site:
         site_main(*args.site)
         return

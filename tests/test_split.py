@@ -116,8 +116,26 @@ def test_client_and_server_parts_compose_to_the_full_model(cfg: ModelConfig) -> 
     }
     assert ours == names | {"lm_head.weight"}  # the server's own output layer (tied: a copy of the embedding)
     assert not {n for n, _ in client.named_parameters() if n.startswith("blocks.1") or n.startswith("ln_f")}
-    frozen = {n for n, p in client.named_parameters() if not p.requires_grad}
+    aux = {n for n, _ in client.named_parameters() if n.startswith("aux.")}
+    assert {n for n, p in client.named_parameters() if not p.requires_grad} == aux  # alignment alone moves it
+    local = ClientPart(build_model(cfg, seed=3), replace(paradigm, aux_local=True))
+    frozen = {n for n, p in local.named_parameters() if not p.requires_grad}
     assert frozen == ({"aux.head.weight"} if cfg.arch == "llama" else set())  # the aux's output layer is fixed
+
+
+@pytest.mark.parametrize("aux_local", [False, True])
+def test_a_local_step_trains_the_aux_only_with_aux_local(aux_local: bool) -> None:
+    client = ClientPart(build_model(MODEL, seed=0), ParadigmConfig(name="fsl_sage", cut=1, aux_local=aux_local))
+    before = {n: p.detach().clone() for n, p in client.named_parameters()}
+    optimizer = torch.optim.AdamW([p for p in client.parameters() if p.requires_grad], lr=1e-2)
+    x, y = torch.randint(0, MODEL.vocab_size, (2, T)), torch.randint(0, MODEL.vocab_size, (2, T))
+    client.train()
+    client(x, y)[1].backward()  # no link: the auxiliary model's loss, whose gradient at the cut is the estimate
+    optimizer.step()
+    moved = {n for n, p in client.named_parameters() if not torch.equal(p, before[n])}
+    assert "blocks.0.attn.qkv.weight" in moved and "wte.weight" in moved  # the client part trains on the estimate
+    aux = {n for n in before if n.startswith("aux.")}
+    assert moved & aux == (aux if aux_local else set())
 
 
 def test_a_cut_outside_the_model_is_refused_naming_the_key() -> None:
@@ -144,7 +162,7 @@ def test_alignment_lowers_the_gradient_estimate_error() -> None:
     fitted = server.align(start, version=2)
     before, after = server.align_error
     assert after < 0.8 * before, server.align_error
-    assert set(fitted) == {n for n, p in client.named_parameters() if n.startswith("aux.") and p.requires_grad}
+    assert set(fitted) == {n for n, _ in client.named_parameters() if n.startswith("aux.") and ".head." not in n}
     assert server.alignments == 1 and server.aligned_version == 2 and server.kept.sequences == 8  # the buffer's size
 
 

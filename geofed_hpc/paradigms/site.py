@@ -193,11 +193,12 @@ class ZerothOrderSite(SiteParadigm):
 
 
 class SplitSite(SiteParadigm):
-    """fsl_sage and split: the site trains its client part (split.ClientPart) with AdamW. fsl_sage trains the
-    auxiliary model with it, uploads the activations of every paradigm.server_update_interval-th step, and takes
-    the auxiliary model the server fitted (`take_fitted`, after a pull at an alignment version) at the first step
-    of the round that starts from that version; split gets the server's gradient at every step. The fitted model
-    and whether it went in are checkpointed (`state`), so a requeue neither loses nor applies it twice."""
+    """fsl_sage and split: the site trains its client part (split.ClientPart) with AdamW (fsl_sage with
+    paradigm.aux_local its auxiliary model too). fsl_sage uploads the activations of every
+    paradigm.server_update_interval-th step, and takes the auxiliary model the server fitted (`take_fitted`, after a
+    pull at an alignment version) at the first step of the round that starts from that version; split gets the server's
+    gradient at every step. The fitted model and whether it went in are checkpointed (`state`), so a requeue neither
+    loses nor applies it twice."""
 
     one_process = True
 

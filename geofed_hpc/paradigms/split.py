@@ -71,11 +71,12 @@ class Rope(nn.Module):
 
 
 class AuxModel(nn.Module):
-    """Estimates the server part's loss from cut-layer activations, so that its gradient at the cut stands in for
-    the server's: copies of the server part's first `blocks` blocks and of the final norm (trained), then a fixed
-    output layer: a frozen copy of the model's, or for tied embeddings the client's embedding, detached (the
-    caller passes it). Fixed, because the output layer's gradient is dense: training it would change every row
-    of a vocabulary-sized matrix each round, and the exchange of phi would carry all of them."""
+    """Estimates the server part's loss from cut-layer activations, so that its gradient at the cut stands in for the
+    server's: copies of the server part's first `blocks` blocks and of the final norm (fitted at alignment; with
+    paradigm.aux_local also trained on the site's loss), then a fixed output layer: a frozen copy of the model's, or for
+    tied embeddings the client's embedding, detached (the caller passes it). Fixed, because the output layer's gradient
+    is dense: training it would change every row of a vocabulary-sized matrix each round, and the exchange of phi would
+    carry all of them."""
 
     def __init__(self, model: nn.Module, cut: int, blocks: int) -> None:
         super().__init__()
@@ -120,6 +121,8 @@ class ClientPart(nn.Module):
         self.rope = Rope(cfg)
         estimate = paradigm.name == "fsl_sage"
         self.aux = AuxModel(model, paradigm.cut, paradigm.aux_blocks) if estimate else None
+        if self.aux is not None and not paradigm.aux_local:
+            self.aux.requires_grad_(False)  # alignment alone changes it (the fitted model replaces it)
         self.link: CutLink | None = None
         self.upload_due = False
 
