@@ -215,7 +215,7 @@ class ParadigmConfig:
     """fsl_sage: a site uploads its cut-layer activations (and targets) every this many local steps."""
     aux_local: bool = False
     """fsl_sage: a site also trains its auxiliary model on its own loss (as CSE-FSL does). Off (FSL-SAGE's way):
-    only alignment changes it, so between alignments its share of every push and pull is zero."""
+    only alignment changes it, so between alignments it adds next to nothing to a push or a pull."""
     align_interval: AtLeastOne = 2
     """fsl_sage: every this many rounds (global versions) the server fits the auxiliary model to the true
     cut-layer gradients of the activations it keeps (alignment)."""
