@@ -74,8 +74,10 @@ def frame_spans(payload: bytes) -> list[tuple[int, int, int]]:
 
 FP32 = CodecConfig(name="fp32")
 INT8 = CodecConfig(name="int8", block_size=64)
-ALL = [CodecConfig(name=n, block_size=64) for n in WIRE_CODECS]
-IDS = list(WIRE_CODECS)
+# sparse with its defaults sends these small tensors dense (int4); "sparse-all" sends every tensor sparse, with
+# mean rows
+ALL = [CodecConfig(name=n, block_size=64) for n in WIRE_CODECS] + [CodecConfig(name="sparse", dense_below=0)]
+IDS = [*WIRE_CODECS, "sparse-all"]
 
 
 # --- round trips -------------------------------------------------------------------------------------------
@@ -114,7 +116,7 @@ def test_every_codec_round_trips_shapes_order_and_specials(cfg: CodecConfig) -> 
         x = np.asarray(x)
         assert out[name].shape == x.shape and out[name].dtype == np.float32
     for name in ("zeros", "const", "empty", "np_scalar", "scalar"):
-        if cfg.name == "sparse" and name == "const":  # 3 of its 130 values are kept (exactly), the rest are 0
+        if cfg.name == "sparse" and not cfg.dense_below and name == "const":  # 3 of its 130 values kept, the rest 0
             np.testing.assert_array_equal(np.sort(out[name]), [-2.5] * 3 + [0.0] * 127)
         elif cfg.name != "paper_int8":  # one global min-max: constants elsewhere land on its grid
             np.testing.assert_array_equal(out[name], np.asarray(tensors[name], np.float32))

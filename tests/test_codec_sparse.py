@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from geofed_hpc import codec
-from geofed_hpc.codec import frames, sparse
+from geofed_hpc.codec import frames, sparse, stream
 from geofed_hpc.codec.stream import _DATA, _END, piece_len
 from geofed_hpc.config import CodecConfig, PSConfig, RunConfig
 from geofed_hpc.errors import CodecError, ConfigError
@@ -22,6 +22,7 @@ finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
 arrays = hnp.arrays(np.float32, hnp.array_shapes(min_dims=1, max_dims=2, min_side=1, max_side=300), elements=finite)
 # (chunk, density): the kept count chunk x density is whole; a tail chunk keeps ceil(its length x density)
 SHAPES = st.sampled_from([(64, 1 / 64), (64, 1 / 8), (128, 0.5), (256, 1 / 64), (4096, 1 / 64)])
+TOP_K_ONLY = {"dense_below": 0, "mean_row": False}  # every tensor sparse, no mean rows: top-k alone
 
 
 def kept_bound(kept: np.ndarray, bits: int) -> float:
@@ -41,7 +42,7 @@ def test_top_k_per_chunk_within_a_step_and_the_residual_is_exactly_what_was_not_
     x: np.ndarray, shape: tuple[int, float], bits: int
 ) -> None:
     chunk, density = shape
-    cfg = CodecConfig(name="sparse", chunk=chunk, density=density, value_bits=bits)
+    cfg = CodecConfig(name="sparse", chunk=chunk, density=density, value_bits=bits, **TOP_K_ONLY)
     residual: dict[str, np.ndarray] = {}
     y = codec.decode(codec.encode({"t": x}, cfg, residual=residual))["t"]
     np.testing.assert_array_equal(residual["t"], x - y)  # the residual: what decoding does not give back
@@ -74,7 +75,7 @@ def drifting(n: int, seed: int = 0) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("name", ["sparse", "int2"])
 def test_error_feedback_over_many_rounds_tracks_the_true_sum(name: str) -> None:
-    cfg = CodecConfig(name=name, chunk=1024, density=1 / 64, block_size=1024)
+    cfg = CodecConfig(name=name, chunk=1024, density=1 / 64, block_size=1024, dense_below=0)
     ef = codec.ErrorFeedback()
     true_sum = np.zeros(8192, np.float64)
     sent_sum = np.zeros(8192, np.float64)
@@ -173,6 +174,9 @@ def test_a_sparse_header_out_of_bounds_is_refused(keep: int, bits: int, chunk: i
         ({"chunk": 32}, "codec.chunk"),
         ({"value_bits": 5}, "codec.value_bits"),
         ({"value_bits": 0}, "codec.value_bits"),
+        ({"dense_codec": "int3"}, "codec.dense_codec"),
+        ({"dense_below": (1 << 24) + 1}, "codec.dense_below"),
+        ({"dense_below": -1}, "codec.dense_below"),
     ],
 )
 def test_config_refuses_a_density_chunk_or_value_bits_that_do_not_fit(fields: dict, key: str) -> None:
@@ -206,3 +210,197 @@ def test_any_sparse_content_decodes_to_valid_positions_or_is_refused(data: bytes
     assert isinstance(got, codec.SparseTensor)
     assert got.indices.size == 0 or (np.diff(got.indices) > 0).all() and 0 <= got.indices[0] and got.indices[-1] < n
     assert np.isfinite(got.values).all()
+
+
+# ---------------------------------------------------------------------------------------------- mean rows, dense
+matrices = hnp.arrays(
+    np.float32,
+    hnp.array_shapes(min_dims=2, max_dims=3, min_side=1, max_side=40),
+    elements=st.floats(float(np.float32(-1e30)), float(np.float32(1e30)), width=32),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(x=matrices, shift=st.floats(-1e3, 1e3, width=32), shape=SHAPES, bits=st.integers(1, 4))
+def test_a_matrix_sends_its_mean_row_and_top_k_of_what_is_left(
+    x: np.ndarray, shift: float, shape: tuple[int, float], bits: int
+) -> None:
+    x = x + np.float32(shift) * np.arange(x.shape[-1], dtype=np.float32)  # a common part in every row
+    chunk, density = shape
+    cfg = CodecConfig(name="sparse", chunk=chunk, density=density, value_bits=bits, dense_below=0)
+    residual: dict[str, np.ndarray] = {}
+    payload = codec.encode({"t": x}, cfg, residual=residual)
+    y = codec.decode(payload)["t"]
+    np.testing.assert_array_equal(residual["t"], x - y)
+    got = codec.decode_sparse(payload)["t"]
+    assert isinstance(got, codec.SparseTensor) and got.mean is not None
+    np.testing.assert_array_equal(got.dense(), y)  # the PS's view is the site's, bit for bit
+    rows = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    np.testing.assert_allclose(got.mean, rows.mean(axis=0), rtol=1e-6, atol=1e-30 + 1e-6 * np.abs(rows).max())
+    left = (rows - got.mean).reshape(-1)  # what top-k picks from
+    flat = y.reshape(-1).astype(np.float64) - np.resize(got.mean.astype(np.float64), y.size)
+    keep = round(chunk * density)
+    for start in range(0, left.size, chunk):
+        stop = min(left.size, start + chunk)
+        mine = got.indices[(got.indices >= start) & (got.indices < stop)]
+        assert mine.size == min(stop - start, math.ceil((stop - start) * keep / chunk))
+        unsent = np.setdiff1d(np.arange(start, stop), mine)
+        np.testing.assert_array_equal(y.reshape(-1)[unsent], np.resize(got.mean, y.size)[unsent])  # the mean alone
+        if unsent.size:
+            assert np.abs(left[mine]).min() >= np.abs(left[unsent]).max() * (1 - 1e-6)
+        err = np.abs(flat[mine] - left[mine])
+        assert err.max(initial=0) <= kept_bound(left[mine], bits) + 4e-7 * np.abs(rows).max()
+
+
+def test_the_mean_row_carries_a_shared_shift_that_top_k_alone_leaves_behind() -> None:
+    """An embedding-like delta: every row moves along one direction, a few rows more. With its mean row the codec
+    sends the shared part of the quiet rows; top-k alone spends its budget on the loud rows and leaves the shift
+    of the others in the residual."""
+    rng = np.random.default_rng(5)
+    x = np.tile(rng.standard_normal(64).astype(np.float32) * 1e-3, (4096, 1))
+    loud = rng.choice(4096, 40, replace=False)
+    x[loud] += rng.standard_normal((40, 64)).astype(np.float32) * 1e-2
+    quiet = np.setdiff1d(np.arange(4096), loud)
+    errors = {}
+    for mean_row in (True, False):
+        residual: dict[str, np.ndarray] = {}
+        codec.encode({"w": x}, CodecConfig(name="sparse", mean_row=mean_row), residual=residual)
+        errors[mean_row] = float(np.linalg.norm(residual["w"][quiet]) / np.linalg.norm(x[quiet]))
+    assert errors[True] < 0.05 and errors[False] > 0.9
+
+
+def test_a_mean_row_lines_up_across_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stream, "PIECE", 256)  # 350 values of rows of 7: two pieces, the second starting mid-row
+    x = (np.random.default_rng(6).standard_normal((50, 7)) + np.arange(7)).astype(np.float32)
+    cfg = CodecConfig(name="sparse", chunk=64, density=1 / 16, dense_below=0)
+    residual: dict[str, np.ndarray] = {}
+    payload = codec.encode({"w": x}, cfg, residual=residual)
+    y = codec.decode(payload)["w"]
+    np.testing.assert_array_equal(residual["w"], x - y)
+    got = codec.decode_sparse(payload)["w"]
+    assert isinstance(got, codec.SparseTensor) and got.mean is not None
+    np.testing.assert_allclose(got.mean, x.astype(np.float64).mean(axis=0), rtol=1e-6)
+    np.testing.assert_array_equal(got.dense(), y)
+    assert np.abs(x - y).max() < np.abs(x - x.mean(axis=0)).max()
+
+
+@pytest.mark.parametrize(
+    "col, start, n", [(7, 0, 350), (7, 256, 94), (7, 3, 2), (64, 4095, 70), (1, 5, 9), (5, 4, 1), (3, 0, 0)]
+)
+def test_column_sums_and_tile_line_up_at_any_start(col: int, start: int, n: int) -> None:
+    x = np.random.default_rng(col + start).standard_normal(n).astype(np.float32)
+    want = np.zeros(col, np.float64)
+    np.add.at(want, (start + np.arange(n)) % col, x)
+    got = np.zeros(col, np.float64)
+    sparse.column_sums(x, start, col, got)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    mean = np.arange(col, dtype=np.float32)
+    np.testing.assert_array_equal(sparse.tile(mean, start, n), mean[(start + np.arange(n)) % col])
+
+
+def test_a_sparse_tensor_with_a_mean_row_adds_scales_and_measures_as_its_dense_self() -> None:
+    rng = np.random.default_rng(7)
+    t = codec.SparseTensor(
+        (6, 4),
+        np.array([1, 6, 23]),
+        rng.standard_normal(3).astype(np.float32),
+        rng.standard_normal(4).astype(np.float32),
+    )
+    dense = t.dense()
+    assert np.isclose(t.sq_norm(), float((dense.astype(np.float64) ** 2).sum()), rtol=1e-6)
+    for factor in (1.0, np.float32(0.3)):
+        target = rng.standard_normal((6, 4)).astype(np.float32)
+        want = target + (dense if factor == 1 else np.float32(factor) * dense)
+        t.add_into(target, factor)
+        np.testing.assert_array_equal(target, want)  # the same float32 adds as the dense tensor's
+    t.scale(np.float32(2.0))
+    np.testing.assert_array_equal(t.dense(), 2 * dense)
+
+
+def test_small_tensors_go_dense_with_the_dense_codec() -> None:
+    rng = np.random.default_rng(8)
+    x = {"big": rng.standard_normal((300, 64)).astype(np.float32), "small": rng.standard_normal((40, 64))}
+    x["small"] = x["small"].astype(np.float32)
+    cfg = CodecConfig(name="sparse", dense_below=10_000, dense_codec="int4", block_size=512)
+    residual: dict[str, np.ndarray] = {}
+    payload = codec.encode(x, cfg, residual=residual)
+    got = codec.decode_sparse(payload)
+    assert isinstance(got["big"], codec.SparseTensor) and isinstance(got["small"], np.ndarray)
+    alone = codec.decode(codec.encode({"small": x["small"]}, CodecConfig(name="int4", block_size=512)))["small"]
+    np.testing.assert_array_equal(got["small"], alone)  # exactly what int4 gives it
+    np.testing.assert_array_equal(residual["small"], x["small"] - alone)
+    assert np.abs(residual["small"]).max() <= (x["small"].max() - x["small"].min()) / 15  # within a step of 15
+    assert np.count_nonzero(residual["big"]) > 0.9 * x["big"].size  # the big one: top-k, most values wait
+
+
+def sparse_header(extra: dict) -> bytes:
+    header = {"codec": "sparse", "block_size": 64, "piece": piece_len(64), "tensors": [{"name": "w", "shape": [4, 16]}]}
+    body = json.dumps({**header, "sparse": {"keep": 3, "bits": 2, **extra}}).encode()
+    return frames.pack(frames.HEADER, b"sparse!!" + body) + frames.pack(frames.END, _END.pack(b"sparse!!", 1, 0))
+
+
+DENSE = {"codec": "int4", "block_size": 64, "below": 100}
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"mean": 1, "dense": DENSE}, "sparse.mean must be true or false"),
+        ({"mean": True, "dense": {**DENSE, "codec": "fp32"}}, "sparse.dense.codec must be one of"),
+        ({"mean": True, "dense": {**DENSE, "block_size": 0}}, "sparse.dense.block_size must be"),
+        ({"mean": True, "dense": {**DENSE, "below": -1}}, "sparse.dense.below must be"),
+        ({"mean": True, "dense": {"codec": "int4"}}, "sparse.dense must be an object"),
+        ({"mean": True}, "sparse must be an object"),
+    ],
+)
+def test_a_sparse_header_with_bad_mean_or_dense_fields_is_refused(extra: dict, message: str) -> None:
+    with pytest.raises(CodecError, match=message):
+        codec.decode(sparse_header(extra))
+
+
+def mean_payload(mean: np.ndarray) -> bytes:
+    """A sparse payload framed by hand around one (4, 16) matrix: its mean row, then the sparse content."""
+    sid = b"sparse!!"
+    header = {
+        "codec": "sparse",
+        "block_size": 64,
+        "piece": piece_len(64),
+        "tensors": [{"name": "w", "shape": [4, 16]}],
+        "sparse": {"keep": 3, "bits": 2, "mean": True, "dense": {**DENSE, "below": 0}},
+    }
+    blob = zstandard.ZstdCompressor().compress(mean.astype("<f4").tobytes() + content([[3, 10, 20]]))
+    return b"".join(
+        [
+            frames.pack(frames.HEADER, sid + json.dumps(header).encode()),
+            frames.pack(frames.DATA, _DATA.pack(sid, 0, 0, 0, 1) + blob),
+            frames.pack(frames.END, _END.pack(sid, 2, 64)),
+        ]
+    )
+
+
+def test_a_non_finite_mean_row_is_refused_by_name() -> None:
+    mean = np.zeros(16, np.float32)
+    for bad in (np.nan, np.inf):
+        mean[5] = bad
+        for decode in (codec.decode, codec.decode_sparse):
+            with pytest.raises(CodecError, match="tensor 'w': its mean row holds NaN or Inf"):
+                decode(mean_payload(mean))
+    mean[5] = 0.5
+    got = codec.decode_sparse(mean_payload(mean))["w"]
+    assert isinstance(got, codec.SparseTensor) and got.mean is not None and got.mean[5] == 0.5
+    np.testing.assert_array_equal(got.indices, [3, 13, 33])
+    np.testing.assert_array_equal(codec.decode(mean_payload(mean))["w"], got.dense())
+
+
+def test_values_near_the_float32_limit_send_a_zero_mean_row_rather_than_overflow() -> None:
+    big = float(np.finfo(np.float32).max)
+    x = np.array([[big, -big, 1.0], [-big, big, 2.0]], np.float32)
+    residual: dict[str, np.ndarray] = {}
+    payload = codec.encode(
+        {"w": x}, CodecConfig(name="sparse", chunk=64, density=0.5, dense_below=0), residual=residual
+    )
+    got = codec.decode_sparse(payload)["w"]
+    assert isinstance(got, codec.SparseTensor) and got.mean is not None and not got.mean.any()
+    y = codec.decode(payload)["w"]
+    assert np.isfinite(y).all() and np.isfinite(residual["w"]).all()
+    np.testing.assert_array_equal(residual["w"], x - y)

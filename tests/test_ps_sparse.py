@@ -21,7 +21,7 @@ from tests.conftest import ps_config
 from tests.test_ps_downlink import assert_bit_identical, fetch, global_model
 from tests.test_ps_logic import Clock, init, joined
 
-SPARSE = CodecConfig(name="sparse", chunk=64, density=1 / 16, block_size=64)
+SPARSE = CodecConfig(name="sparse", chunk=64, density=1 / 16, block_size=64, dense_below=0)  # every tensor sparse
 
 
 def make(aggregation: str = "sync", run: CodecConfig = SPARSE, **kw: Any) -> ParameterServerLogic:

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,10 +39,26 @@ class Plan:
     lengths: np.ndarray | None = None
     keep: int = 0  # sparse: values kept per chunk of block_size
     value_bits: int = 0  # sparse: bits per kept value
+    mean_row: bool = False  # sparse: a matrix sends its mean row (in its first piece) and top-k of the rest
+    dense_codec: str = ""  # sparse: the min-max codec of tensors of fewer than dense_below values
+    dense_block: int = 0  # ... and its block size
+    dense_below: int = 0
 
     def layout(self, n: int) -> sparse.Layout:
         """sparse: the chunks of a piece of n values."""
         return sparse.Layout.of(n, self.block_size, self.keep, self.value_bits)
+
+    def for_tensor(self, shape: tuple[int, ...], global_range: float = 0.0) -> Plan:
+        """The plan of one tensor's pieces: a sparse payload's small tensors go with its dense codec."""
+        row = shape[-1] if len(shape) >= 2 else 0
+        if self.codec == "sparse" and math.prod(shape) < self.dense_below:
+            return Plan(self.dense_codec, self.dense_block, row=row, global_range=global_range, rng=self.rng)
+        return dataclasses.replace(self, row=row)
+
+    def has_mean(self, shape: tuple[int, ...]) -> bool:
+        """sparse: whether the tensor's first piece starts with its mean row (float32, shape[-1] values)."""
+        sparse_ = self.for_tensor(shape).codec == "sparse"
+        return sparse_ and self.mean_row and len(shape) >= 2 and math.prod(shape) > 0
 
 
 def content_size(plan: Plan, n: int) -> int:

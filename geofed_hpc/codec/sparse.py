@@ -24,32 +24,78 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 @dataclass
 class SparseTensor:
-    """A tensor of `shape` that is zero but at flat `indices` (int64, strictly increasing), holding `values`."""
+    """A tensor of `shape` that is zero but at flat `indices` (int64, strictly increasing), holding `values`; with
+    `mean` (float32, shape[-1] values) that row is added to every row first (codec.mean_row)."""
 
     shape: tuple[int, ...]
     indices: np.ndarray
     values: np.ndarray
+    mean: np.ndarray | None = None
 
     @property
     def size(self) -> int:
         return math.prod(self.shape)
 
     def dense(self) -> np.ndarray:
-        """The tensor as a float32 array (what decode gives for it)."""
+        """The tensor as a float32 array (what decode gives for it: mean + value at a kept position, in float32)."""
         out = np.zeros(self.size, np.float32)
         out[self.indices] = self.values
+        if self.mean is not None:
+            out += tile(self.mean, 0, self.size)
         return out.reshape(self.shape)
 
     def add_into(self, target: np.ndarray, factor: np.float32 | float = 1.0) -> None:
-        """target += factor * self, touching only the kept positions (a scatter-add, no dense copy)."""
+        """target += factor * self, the same float32 adds as with the dense tensor, touching only the kept positions
+        and, with a mean row, adding it to every row (a broadcast add, no dense copy)."""
         flat = target.reshape(-1)
+        f = np.float32(factor)
+        values = self.values
+        if self.mean is not None and flat.size:
+            values = values + self.mean[self.indices % self.mean.size]  # the dense value: mean + kept, in float32
+            before = flat[self.indices]
+            rows = flat.reshape(-1, self.mean.size)
+            rows += self.mean if factor == 1 else f * self.mean
+            flat[self.indices] = before
         if factor == 1:
-            flat[self.indices] += self.values
+            flat[self.indices] += values
         else:
-            flat[self.indices] += np.float32(factor) * self.values
+            flat[self.indices] += f * values
+
+    def scale(self, factor: np.float32) -> None:
+        """self *= factor, in place."""
+        self.values *= factor
+        if self.mean is not None:
+            self.mean *= factor
 
     def sq_norm(self) -> float:
-        return float(np.dot(self.values, self.values)) if self.values.size else 0.0
+        v = self.values.astype(np.float64)
+        total = float(np.dot(v, v)) if v.size else 0.0
+        if self.mean is not None and self.mean.size:
+            m = self.mean.astype(np.float64)
+            total += self.size // m.size * float(np.dot(m, m))
+            if v.size:
+                total += 2 * float(np.dot(v, m[self.indices % m.size]))
+        return total
+
+
+def column_sums(x: np.ndarray, start: int, row: int, out: np.ndarray) -> None:
+    """Add flat piece `x`, which starts at flat index `start` of a tensor with rows of `row` values, into the
+    float64 per-column sums `out`."""
+    phase = start % row
+    head = min((row - phase) % row, x.size)
+    out[phase : phase + head] += x[:head]
+    body = x[head:]
+    full = body.size // row * row
+    if full:
+        out += body[:full].reshape(-1, row).sum(axis=0, dtype=np.float64)
+    tail = body[full:]
+    out[: tail.size] += tail
+
+
+def tile(mean: np.ndarray, start: int, n: int) -> np.ndarray:
+    """The mean row's value at each flat index start .. start + n of a tensor with rows of mean.size values."""
+    phase = start % mean.size
+    return np.resize(np.concatenate([mean[phase:], mean[:phase]]), n)
 
 
 class DenseView(Mapping[str, np.ndarray]):

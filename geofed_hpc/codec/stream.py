@@ -1,10 +1,13 @@
 """The delta stream: a header frame, each tensor's pieces in ~1 MiB data frames, an end frame; bounded memory."""
 
 # Header body: stream id (8 bytes) | JSON {"codec", "block_size", "piece", "tensors": [{"name", "shape"}],
-#   "huffman": {"min", "scale", "lengths"} (paper_int8 only), "sparse": {"keep", "bits"} (sparse only: values
-#   kept per chunk of block_size values, bits per kept value)}.
+#   "huffman": {"min", "scale", "lengths"} (paper_int8 only), "sparse": {"keep", "bits", "mean", "dense":
+#   {"codec", "block_size", "below"}} (sparse only: values kept per chunk of block_size values, bits per kept
+#   value, whether matrices send their mean row, and the min-max codec of tensors of fewer than `below` values;
+#   a header with keep and bits alone is read as no mean rows and no dense tensors)}.
 # Data body: stream id | tensor u32 | piece u32 | part u32 | last u8 | bytes of the piece's blob, where the
-#   blob is the zstd frame of the piece's content (schemes.py), or for paper_int8 the huffman blob itself.
+#   blob is the zstd frame of the piece's content (schemes.py; a sparse matrix's first piece starts with its
+#   mean row, float32), or for paper_int8 the huffman blob itself.
 # End body: stream id | frames before it u64 | values u64.
 # A piece is `piece` values (a whole number of blocks, about 64 MiB of float32); each is encoded, framed and
 # decoded on its own, so memory stays at a few pieces whatever the model size.
@@ -40,6 +43,7 @@ _MAX_NDIM = 32
 _MAX_NUMEL = 1 << 40
 _MAX_BLOCK = 1 << 31
 _MAX_PIECE = 1 << 28
+_F32_HALF = float(np.finfo(np.float32).max) / 2
 
 Expected = Mapping[str, tuple[tuple[int, ...], str]]
 
@@ -82,13 +86,37 @@ def block_of(cfg: CodecConfig) -> int:
     return cfg.chunk if cfg.name == "sparse" else cfg.block_size
 
 
+def _mean_row(t: Tensor, step: int) -> np.ndarray:
+    """The mean of a tensor's rows (shape[-1] values each), float32: a first pass over its pieces, which refuses a
+    NaN or Inf before anything of the tensor is encoded."""
+    sums = np.zeros(t.row, np.float64)
+    peak = 0.0
+    for start, x in pieces(t, step):
+        lo, hi = x.min(), x.max()
+        if not (np.isfinite(lo) and np.isfinite(hi)):
+            t.refuse(x, start)
+        peak = max(peak, -float(lo), float(hi))
+        sparse.column_sums(x, start, t.row, sums)
+    if peak >= _F32_HALF:  # value - mean could overflow float32: send a zero row (top-k of the values themselves)
+        return np.zeros(t.row, np.float32)
+    return (sums / (t.numel // t.row)).astype(np.float32)
+
+
 def _plan(ts: list[Tensor], cfg: CodecConfig, step: int) -> tuple[schemes.Plan, dict[str, Any], Bounds]:
     """The payload-wide plan (a first pass over the values where the codec needs one) and its header fields."""
     rng = np.random.default_rng() if cfg.stochastic_rounding else None
     plan = schemes.Plan(cfg.name, block_of(cfg), rng=rng)
     if cfg.name == "sparse":
         plan.keep, plan.value_bits = sparse.keep_of(cfg.chunk, cfg.density), cfg.value_bits
-        return plan, {"sparse": {"keep": plan.keep, "bits": plan.value_bits}}, {}
+        plan.mean_row, plan.dense_below = cfg.mean_row, cfg.dense_below
+        plan.dense_codec, plan.dense_block = cfg.dense_codec, cfg.block_size
+        dense = {"codec": cfg.dense_codec, "block_size": cfg.block_size, "below": cfg.dense_below}
+        extra = {"keep": plan.keep, "bits": plan.value_bits, "mean": cfg.mean_row, "dense": dense}
+        small = [t for t in ts if plan.for_tensor(t.shape).codec != "sparse"]
+        if small:  # the small tensors' min-max range, as for a payload of them alone
+            lo, hi, _ = _scan(small, step, cfg.block_size)
+            plan.global_range = hi - lo
+        return plan, {"sparse": extra}, {}
     if cfg.name not in schemes.MINMAX and cfg.name != "paper_int8":
         return plan, {}, {}
     lo, hi, bounds = _scan(ts, step, cfg.block_size if cfg.name in schemes.MINMAX else step)
@@ -138,12 +166,22 @@ def _frame_parts(
         res = None
         if residual is not None:
             res = residual[t.name] = np.empty(t.shape, np.float32)
-        plan.row = t.row
+        tplan = plan.for_tensor(t.shape, plan.global_range)
+        mean = _mean_row(t, step) if plan.has_mean(t.shape) else None
         for pi, (start, x) in enumerate(pieces(t, step)):
             if cfg.name in ("fp32", "bf16", "sparse") and not (np.isfinite(x.min()) and np.isfinite(x.max())):
                 t.refuse(x, start)
             recon = np.empty(x.size, np.float32) if res is not None else None
-            content = schemes.encode(x, plan, recon, bounds.pop((ti, pi), None))
+            if mean is None:
+                content = schemes.encode(x, tplan, recon, bounds.pop((ti, pi), None))
+            else:  # top-k of what the mean row leaves; decoding adds it back (0 + mean where nothing is kept)
+                shift = sparse.tile(mean, start, x.size)
+                content = schemes.encode(x - shift, tplan, recon)
+                if recon is not None:
+                    recon += shift
+                if pi == 0:
+                    content = [mean.view(np.uint8), *content]
+                del shift
             if res is not None and recon is not None:
                 np.subtract(x, recon, out=res.reshape(-1)[start : start + x.size])
             parts = content if cfg.name == "paper_int8" else compress_parts(cctx, content)
@@ -219,6 +257,7 @@ class Piece:
     start: int
     values: np.ndarray
     indices: np.ndarray | None = None
+    mean: np.ndarray | None = None  # sparse, first piece of a matrix: its mean row
 
 
 def _is_int(value: object, low: int, high: int) -> bool:
@@ -264,21 +303,43 @@ def _parse_header(body: memoryview) -> tuple[bytes, Header]:
         plan.paper_min, plan.paper_scale = float(h["min"]), float(h["scale"])
         plan.lengths = huffman.check_lengths(h["lengths"])
     if codec == "sparse":
-        plan.keep, plan.value_bits = _parse_sparse(raw["sparse"], block_size)
+        _parse_sparse(raw["sparse"], plan)
     return sid, Header(codec, block_size, piece, names, shapes, plan)
 
 
-def _parse_sparse(raw: object, chunk: int) -> tuple[int, int]:
-    if not (isinstance(raw, dict) and set(raw) == {"keep", "bits"}):
-        raise CodecError("header: sparse must be an object with keys bits, keep")
-    keep, bits = raw["keep"], raw["bits"]
+_SPARSE_KEYS = ({"keep", "bits"}, {"keep", "bits", "mean", "dense"})
+_MAX_DENSE_BELOW = 1 << 24  # codec.dense_below's bound
+
+
+def _parse_sparse(raw: object, plan: schemes.Plan) -> None:
+    """Fill the sparse fields of `plan` from the header's "sparse" object (checked)."""
+    if not (isinstance(raw, dict) and set(raw) in _SPARSE_KEYS):
+        raise CodecError("header: sparse must be an object with keys bits, keep (and dense, mean)")
+    chunk, keep, bits = plan.block_size, raw["keep"], raw["bits"]
     if chunk > sparse.MAX_CHUNK:
         raise CodecError(f"header: a sparse chunk (block_size) is at most {sparse.MAX_CHUNK} values, got {chunk}")
     if not _is_int(keep, 1, chunk):
         raise CodecError(f"header: sparse.keep must be 1..{chunk} (the chunk's values), got {keep!r:.100}")
     if not _is_int(bits, 1, 4):
         raise CodecError(f"header: sparse.bits must be 1..4, got {bits!r:.100}")
-    return keep, bits
+    plan.keep, plan.value_bits = keep, bits
+    if "mean" not in raw:
+        return
+    mean, dense = raw["mean"], raw["dense"]
+    if not isinstance(mean, bool):
+        raise CodecError(f"header: sparse.mean must be true or false, got {mean!r:.100}")
+    if not (isinstance(dense, dict) and set(dense) == {"codec", "block_size", "below"}):
+        raise CodecError("header: sparse.dense must be an object with keys below, block_size, codec")
+    if dense["codec"] not in schemes.MINMAX:
+        raise CodecError(
+            f"header: sparse.dense.codec must be one of {', '.join(schemes.MINMAX)}, got {dense['codec']!r:.100}"
+        )
+    if not _is_int(dense["block_size"], 1, _MAX_BLOCK):
+        raise CodecError(f"header: sparse.dense.block_size must be 1..{_MAX_BLOCK}, got {dense['block_size']!r:.100}")
+    if not _is_int(dense["below"], 0, _MAX_DENSE_BELOW):
+        raise CodecError(f"header: sparse.dense.below must be 0..{_MAX_DENSE_BELOW}, got {dense['below']!r:.100}")
+    plan.mean_row = mean
+    plan.dense_codec, plan.dense_block, plan.dense_below = dense["codec"], dense["block_size"], dense["below"]
 
 
 def _parse_entry(raw: object, index: int) -> tuple[str, tuple[int, ...]]:
@@ -349,6 +410,7 @@ class StreamDecoder:
         self.sparse = sparse
         self.scratch = scratch
         self.header: Header | None = None
+        self._mean: np.ndarray | None = None  # the mean row of the sparse matrix being decoded
 
     def pieces(self, chunks: Iterable[object], target: Target | None = None) -> Iterator[Piece]:
         """Each decoded piece in order; `target(name, shape, start, n)` may supply the float32 array to fill."""
@@ -365,17 +427,18 @@ class StreamDecoder:
         total = 0
         for ti, (name, shape) in enumerate(zip(h.names, h.shapes, strict=True)):
             numel = math.prod(shape)
-            h.plan.row = shape[-1] if len(shape) >= 2 else 0
+            plan = h.plan.for_tensor(shape)
+            self._mean = None
             for pi, start in enumerate(range(0, numel, h.piece)):
                 n = min(h.piece, numel - start)
                 total += n
-                if self.sparse and h.codec == "sparse":
-                    idx, vals = self._piece(reader, sid, h, ti, pi, start, n, None)
+                if self.sparse and plan.codec == "sparse":
+                    idx, vals = self._piece(reader, sid, h, plan, ti, pi, start, n, None)
                     idx += start
-                    yield Piece(name, shape, start, vals, idx)
+                    yield Piece(name, shape, start, vals, idx, self._mean if pi == 0 else None)
                     continue
                 out = target(name, shape, start, n) if target else np.empty(n, np.float32)
-                self._piece(reader, sid, h, ti, pi, start, n, out)
+                self._piece(reader, sid, h, plan, ti, pi, start, n, out)
                 yield Piece(name, shape, start, out)
                 del out  # the caller holds it if it wants it
         end = reader.next()
@@ -389,18 +452,29 @@ class StreamDecoder:
             raise CodecError(f"payload: trailing frame after the end frame at byte {reader.offset}")
 
     def _piece(
-        self, reader: FrameReader, sid: bytes, h: Header, ti: int, pi: int, start: int, n: int, out: np.ndarray | None
+        self,
+        reader: FrameReader,
+        sid: bytes,
+        h: Header,
+        plan: schemes.Plan,
+        ti: int,
+        pi: int,
+        start: int,
+        n: int,
+        out: np.ndarray | None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Read a piece's frames and decode it into `out`; without `out` (sparse only) return its kept offsets
-        within the piece and values."""
+        """Read a piece's frames and decode it (with `plan`, the tensor's) into `out`; without `out` (sparse only)
+        return its kept offsets within the piece and values. A sparse matrix's mean row, which its first piece
+        starts with, is kept in `_mean`."""
         name = h.names[ti]
         what = f"tensor {name!r}"
         raw = h.codec == "paper_int8"
+        head = 4 * h.shapes[ti][-1] if pi == 0 and h.plan.has_mean(h.shapes[ti]) else 0
         if raw:
             limit = 2 * -(-n // huffman.SEGMENT) + -(-n * huffman.MAX_LEN // 8)
             blob = bytearray()
         else:
-            size = schemes.content_size(h.plan, n)
+            size = head + schemes.content_size(plan, n)
             content = self.scratch.content(size) if self.scratch is not None else np.empty(size, np.uint8)
             sink = Inflater(content, what)
         for k in range(1 << 32):
@@ -434,9 +508,16 @@ class StreamDecoder:
             content = np.frombuffer(bytes(blob), np.uint8)
         else:
             sink.finish()
+        if head:
+            self._mean = content[:head].view("<f4").copy()
+            if not np.isfinite(self._mean).all():
+                raise CodecError(f"{what}: its mean row holds NaN or Inf (corrupt payload)")
+            content = content[head:]
         if out is None:
-            return sparse.decode(content, h.plan.layout(n), what)
-        schemes.decode(content, h.plan, out, what, start)
+            return sparse.decode(content, plan.layout(n), what)
+        schemes.decode(content, plan, out, what, start)
+        if self._mean is not None:
+            out += sparse.tile(self._mean, start, n)
         return _NOTHING
 
 
@@ -490,6 +571,7 @@ def decode_stream(
     chunks = _chunks_of(payload)
     dec = StreamDecoder(expected, sparse=sparse, scratch=scratch)
     parts: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+    means: dict[str, np.ndarray] = {}
     dense: dict[str, np.ndarray] = {}
 
     def target(name: str, shape: tuple[int, ...], start: int, n: int) -> np.ndarray:
@@ -502,15 +584,17 @@ def decode_stream(
             idx, vals = parts.setdefault(piece.name, ([], []))
             idx.append(piece.indices)
             vals.append(piece.values)
+            if piece.mean is not None:
+                means[piece.name] = piece.mean
     assert dec.header is not None
     if scratch is not None and dense:
         scratch.keep_only(dense)
     out: dict[str, np.ndarray | SparseTensor] = {}
     for name, shape in zip(dec.header.names, dec.header.shapes, strict=True):
-        if name in parts or (sparse and dec.header.codec == "sparse"):
+        if name in parts or (sparse and dec.header.plan.for_tensor(shape).codec == "sparse"):
             idx, vals = parts.get(name, ([], []))
-            cat = (np.concatenate(idx), np.concatenate(vals)) if idx else _NOTHING
-            out[name] = SparseTensor(shape, *cat)
+            kept, values = (np.concatenate(idx), np.concatenate(vals)) if idx else _NOTHING
+            out[name] = SparseTensor(shape, kept, values, means.get(name))
         else:
             out[name] = dense[name] if name in dense else np.zeros(shape, np.float32)  # (empty tensors)
     return dec.header.codec, out

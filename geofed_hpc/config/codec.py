@@ -42,6 +42,16 @@ class CodecConfig:
     """sparse: values per chunk (each keeps chunk x density values, with one magnitude range)."""
     value_bits: Annotated[StrictInt, Field(ge=1, le=4)] = 2
     """sparse: bits per kept value (a sign and value_bits - 1 bits of magnitude within the chunk's range)."""
+    dense_below: Annotated[StrictInt, Field(ge=0, le=1 << 24)] = 1 << 16
+    """sparse: tensors of fewer values go dense, with codec.dense_codec (0: every tensor sparse). Small tensors
+    (norms, a small model's block matrices) cost little in bits and every token moves them: top-k would make most
+    of their coordinates wait many syncs for their turn."""
+    dense_codec: Annotated[str, choice(("int8", "int4", "int2"))] = "int4"
+    """sparse: the min-max codec (codec.block_size blocks) of the tensors below codec.dense_below."""
+    mean_row: StrictBool = True
+    """sparse: each sparse matrix also sends its mean row (float32, one value per column, added to every row),
+    and top-k picks from what is left. AdamW moves every row of an embedding or output layer each step, along a
+    shared direction: one row carries that common part exactly, where top-k would spend its budget on it."""
 
     def __post_init__(self) -> None:
         check(len(set(self.adaptive_codecs)) == len(self.adaptive_codecs), "codec.adaptive_codecs", "has duplicates")

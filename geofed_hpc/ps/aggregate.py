@@ -159,11 +159,11 @@ def global_norm(delta: Mapping[str, np.ndarray | SparseTensor]) -> float:
 
 
 def scale_delta(delta: Mapping[str, np.ndarray | SparseTensor], factor: float) -> None:
-    """delta *= factor, in place (a sparse tensor's kept values only)."""
+    """delta *= factor, in place (a sparse tensor's kept values and mean row only)."""
     f = np.float32(factor)
     for v in delta.values():
         if isinstance(v, SparseTensor):
-            v.values *= f
+            v.scale(f)
         else:
             v *= f
 
