@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from geofed_hpc import codec
 from geofed_hpc.config import CodecConfig, RunConfig
 from geofed_hpc.ps.app import ParameterServer
 from geofed_hpc.ps.servicer import ParameterServerLogic
+from geofed_hpc.ps.staging import Staging
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 from tests.conftest import ps_config, small_params
@@ -57,3 +62,30 @@ def test_a_staging_dir_removed_under_a_running_ps_is_made_again_and_pushes_apply
     finally:
         server.stop()
     assert not directory.exists()
+
+
+def test_a_new_ps_removes_the_private_staging_dirs_of_processes_that_are_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A PS killed before its clean stop leaves its private staging dir behind; the next PS on the machine removes
+    it, and leaves alone the dirs of processes that still run and names it does not know."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True)
+    dead = tmp_path / f"geofed-ps-staging-{int(gone.stdout)}-abc"
+    live = tmp_path / "geofed-ps-staging-1-abc"  # pid 1 always runs
+    other = tmp_path / "geofed-ps-staging-notapid"
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / "push-1-00000001").write_bytes(b"x")
+    staging = Staging(None)
+    try:
+        assert not dead.exists() and live.is_dir() and other.is_dir()
+        assert staging.directory.parent == tmp_path and staging.directory.name.startswith(
+            f"geofed-ps-staging-{os.getpid()}-"
+        )
+        again = Staging(None)  # a second PS in this process keeps the first one's dir
+        assert staging.directory.is_dir()
+        again.close()
+    finally:
+        staging.close()
+    assert not staging.directory.exists()

@@ -21,12 +21,34 @@ from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import Header, drain
 
 _KINDS = ("push-", "spool-")
+_PRIVATE = "geofed-ps-staging-"  # a private staging dir: <temp>/geofed-ps-staging-<pid>-<random>
+
+
+def remove_orphans(temp: Path) -> None:
+    """Remove the private staging dirs of PS processes that are gone (killed before `close`). A dir whose
+    process still runs, or whose name carries no process id, is left alone."""
+    for p in temp.glob(f"{_PRIVATE}*-*"):
+        pid = p.name[len(_PRIVATE) :].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        logger.debug("removed %s, the staging dir of process %s, which is gone", p, pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class Staging:
     """One directory of short-lived files; leftovers of a crash are removed at start. Without a directory the
-    PS owns a private temp dir for its lifetime (removed by `close`); a directory that disappears while the PS
-    runs (a /tmp cleaner) is made again by the next file staged.
+    PS owns a private temp dir for its lifetime (removed by `close`, or by the next PS when this one is killed); a
+    directory that disappears while the PS runs (a /tmp cleaner) is made again by the next file staged.
 
     Receiving a push writes chunk by chunk to a file (memory stays one chunk per push, whatever the number
     of sites uploading at once); nothing is decoded or applied before the whole stream verified.
@@ -37,7 +59,8 @@ class Staging:
     def __init__(self, directory: str | Path | None) -> None:
         self._owned = directory is None or str(directory) == ""
         if self._owned:
-            self.directory = Path(tempfile.mkdtemp(prefix="geofed-ps-staging-"))
+            remove_orphans(Path(tempfile.gettempdir()))
+            self.directory = Path(tempfile.mkdtemp(prefix=f"{_PRIVATE}{os.getpid()}-"))
         else:
             self.directory = Path(directory).expanduser()  # type: ignore[arg-type]
             self.directory.mkdir(parents=True, exist_ok=True)
