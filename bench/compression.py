@@ -38,11 +38,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from convergence import ROOT, WORKER, _reap, _wait_ready, machine, model_config, prepare_data  # noqa: E402
 
 ROWS = ("fp32", "int8", "int4", "int2", "sparse", "sparse+down")
+SPARSE_KEYS = ("mean_row", "dense_below", "dense_codec", "chunk", "block_size")  # --sparse
 CONVERGENCE = Path(__file__).resolve().parent / "convergence.py"  # its --site-worker runs one site process
 RUN_TIMEOUT_S = 900.0
 
@@ -67,7 +70,7 @@ def row_config(row: str, args: argparse.Namespace, seed: int, run_dir: Path, sha
         site=SiteConfig(name="site", num_sites=args.sites),
         model=model_config(args.model),
         ps=PSConfig(host="127.0.0.1", port=0, insecure=True, round_timeout="10m", **ps),
-        codec=CodecConfig(name=name, density=args.density, value_bits=args.value_bits),
+        codec=CodecConfig(name=name, density=args.density, value_bits=args.value_bits, **sparse_fields(name, args)),
         data=DataConfig(source=str(shards), val_batches=1, val_batch_size=args.batch),
         train=TrainConfig(
             lr=args.lr,
@@ -81,6 +84,11 @@ def row_config(row: str, args: argparse.Namespace, seed: int, run_dir: Path, sha
             threads=1,
         ),
     )
+
+
+def sparse_fields(codec: str, args: argparse.Namespace) -> dict[str, Any]:
+    """--sparse KEY=VALUE settings, for the sparse rows only (e.g. mean_row=false dense_below=0: top-k alone)."""
+    return dict(args.sparse) if codec == "sparse" else {}
 
 
 def run_row(row: str, seed: int, args: argparse.Namespace, work: Path, shards: Path) -> dict[str, Any]:
@@ -281,6 +289,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--density", type=float, default=1 / 64, help="codec.density of the sparse uploads")
     p.add_argument("--value-bits", type=int, default=2, help="codec.value_bits of the sparse uploads")
     p.add_argument("--down-density", type=float, default=1 / 16, help="ps.downlink_density of sparse+down")
+    p.add_argument(
+        "--sparse",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"more codec.* of the sparse rows, one of {', '.join(SPARSE_KEYS)} (mean_row=false dense_below=0: the "
+        "top-k alone)",
+    )
     p.add_argument("--val-batches", type=int, default=24, help="validation batches the final model is scored on")
     p.add_argument("--model", default="tiny_llama", help="a conf/model/*.yaml option")
     p.add_argument("--cache-dir", default="", help="token cache (default $GEOFED_CACHE or ~/.cache/geofed_hpc)")
@@ -291,6 +307,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if not args.rows or set(args.rows) - set(ROWS):
         p.error(f"--rows: choose from {','.join(ROWS)}")
     args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    pairs = [item.partition("=") for item in args.sparse]
+    if any(not eq or key not in SPARSE_KEYS for key, eq, _ in pairs):
+        p.error(f"--sparse: give KEY=VALUE with KEY one of {', '.join(SPARSE_KEYS)}, got {' '.join(args.sparse)}")
+    args.sparse = {key: yaml.safe_load(value) for key, _, value in pairs}
     if not args.seeds or min(args.syncs, args.local_steps, args.sites, args.batch) < 1:
         p.error("--seeds, --syncs, --local-steps, --sites and --batch must be given and positive")
     # what prepare_data (bench/convergence.py) reads

@@ -221,7 +221,8 @@ def tiny_llama_deltas(args: argparse.Namespace) -> tuple[dict[str, np.ndarray], 
         return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
 
     steps(args.warmup)
-    cfg_sparse = CodecConfig(name="sparse", density=args.density, chunk=args.chunk)
+    # top-k alone on every tensor (no mean rows, no dense small tensors): the positions of every tensor's values
+    cfg_sparse = CodecConfig(name="sparse", density=args.density, chunk=args.chunk, mean_row=False, dense_below=0)
     ef = codec.ErrorFeedback()
     first: dict[str, np.ndarray] = {}
     last: dict[str, np.ndarray] = {}

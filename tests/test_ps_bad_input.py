@@ -107,7 +107,7 @@ def _oversize(s: str, p: dict) -> list[m.Chunk]:
     return chunks
 
 
-SPARSE = CodecConfig(name="sparse", chunk=64, density=1 / 16)  # 4 of every 64 values
+SPARSE = CodecConfig(name="sparse", chunk=64, density=1 / 16, dense_below=0, mean_row=False)  # top-k: 4 of 64
 
 
 def tampered_sparse(s: str, p: dict, part: str, at: int, value: int) -> list[m.Chunk]:
