@@ -14,6 +14,7 @@ from hypothesis.extra import numpy as hnp
 
 from geofed_hpc import codec
 from geofed_hpc.codec import frames, sparse, stream
+from geofed_hpc.codec.schemes import MEAN_ROW_MIN_KEPT
 from geofed_hpc.codec.stream import _DATA, _END, piece_len
 from geofed_hpc.config import CodecConfig, PSConfig, RunConfig
 from geofed_hpc.errors import CodecError, ConfigError
@@ -213,20 +214,23 @@ def test_any_sparse_content_decodes_to_valid_positions_or_is_refused(data: bytes
 
 
 # ---------------------------------------------------------------------------------------------- mean rows, dense
-matrices = hnp.arrays(
-    np.float32,
-    hnp.array_shapes(min_dims=2, max_dims=3, min_side=1, max_side=40),
-    elements=st.floats(float(np.float32(-1e30)), float(np.float32(1e30)), width=32),
-)
+def tall(chunk: int, density: float, cols: int) -> st.SearchStrategy[np.ndarray]:
+    """Matrices tall enough to send a mean row (rows x density >= 64), of any finite values up to 1e30."""
+    least = round(MEAN_ROW_MIN_KEPT / density)
+    values = st.floats(float(np.float32(-1e30)), float(np.float32(1e30)), width=32)
+    return st.integers(least, least + 40).flatmap(
+        lambda rows: hnp.arrays(np.float32, (rows, cols), elements=values, fill=values)
+    )
 
 
-@settings(max_examples=150, deadline=None)
-@given(x=matrices, shift=st.floats(-1e3, 1e3, width=32), shape=SHAPES, bits=st.integers(1, 4))
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), shift=st.floats(-1e3, 1e3, width=32), shape=SHAPES, bits=st.integers(1, 4))
 def test_a_matrix_sends_its_mean_row_and_top_k_of_what_is_left(
-    x: np.ndarray, shift: float, shape: tuple[int, float], bits: int
+    data: st.DataObject, shift: float, shape: tuple[int, float], bits: int
 ) -> None:
-    x = x + np.float32(shift) * np.arange(x.shape[-1], dtype=np.float32)  # a common part in every row
     chunk, density = shape
+    x = data.draw(tall(chunk, density, data.draw(st.integers(1, 5))))
+    x = x + np.float32(shift) * np.arange(x.shape[-1], dtype=np.float32)  # a common part in every row
     cfg = CodecConfig(name="sparse", chunk=chunk, density=density, value_bits=bits, dense_below=0)
     residual: dict[str, np.ndarray] = {}
     payload = codec.encode({"t": x}, cfg, residual=residual)
@@ -270,9 +274,9 @@ def test_the_mean_row_carries_a_shared_shift_that_top_k_alone_leaves_behind() ->
 
 
 def test_a_mean_row_lines_up_across_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(stream, "PIECE", 256)  # 350 values of rows of 7: two pieces, the second starting mid-row
-    x = (np.random.default_rng(6).standard_normal((50, 7)) + np.arange(7)).astype(np.float32)
-    cfg = CodecConfig(name="sparse", chunk=64, density=1 / 16, dense_below=0)
+    monkeypatch.setattr(stream, "PIECE", 256)  # 910 values in rows of 7: four pieces, three starting mid-row
+    x = (np.random.default_rng(6).standard_normal((130, 7)) + np.arange(7)).astype(np.float32)
+    cfg = CodecConfig(name="sparse", chunk=64, density=0.5, dense_below=0)  # a mean row from 128 rows on
     residual: dict[str, np.ndarray] = {}
     payload = codec.encode({"w": x}, cfg, residual=residual)
     y = codec.decode(payload)["w"]
@@ -282,6 +286,8 @@ def test_a_mean_row_lines_up_across_pieces(monkeypatch: pytest.MonkeyPatch) -> N
     np.testing.assert_allclose(got.mean, x.astype(np.float64).mean(axis=0), rtol=1e-6)
     np.testing.assert_array_equal(got.dense(), y)
     assert np.abs(x - y).max() < np.abs(x - x.mean(axis=0)).max()
+    short = codec.decode_sparse(codec.encode({"w": x[:127]}, cfg))["w"]  # 127 rows x 0.5 < 64: no mean row
+    assert isinstance(short, codec.SparseTensor) and short.mean is None
 
 
 @pytest.mark.parametrize(
@@ -359,42 +365,46 @@ def test_a_sparse_header_with_bad_mean_or_dense_fields_is_refused(extra: dict, m
 
 
 def mean_payload(mean: np.ndarray) -> bytes:
-    """A sparse payload framed by hand around one (4, 16) matrix: its mean row, then the sparse content."""
+    """A sparse payload framed by hand around one (512, 2) matrix (chunks of 64 keeping 8: tall enough for a mean
+    row): its mean row, then the sparse content (positions 1..8 of each chunk, each value 1.0)."""
     sid = b"sparse!!"
     header = {
         "codec": "sparse",
         "block_size": 64,
         "piece": piece_len(64),
-        "tensors": [{"name": "w", "shape": [4, 16]}],
-        "sparse": {"keep": 3, "bits": 2, "mean": True, "dense": {**DENSE, "below": 0}},
+        "tensors": [{"name": "w", "shape": [512, 2]}],
+        "sparse": {"keep": 8, "bits": 2, "mean": True, "dense": {**DENSE, "below": 0}},
     }
-    blob = zstandard.ZstdCompressor().compress(mean.astype("<f4").tobytes() + content([[3, 10, 20]]))
+    blob = zstandard.ZstdCompressor().compress(mean.astype("<f4").tobytes() + content([[1] * 8] * 16))
     return b"".join(
         [
             frames.pack(frames.HEADER, sid + json.dumps(header).encode()),
             frames.pack(frames.DATA, _DATA.pack(sid, 0, 0, 0, 1) + blob),
-            frames.pack(frames.END, _END.pack(sid, 2, 64)),
+            frames.pack(frames.END, _END.pack(sid, 2, 1024)),
         ]
     )
 
 
 def test_a_non_finite_mean_row_is_refused_by_name() -> None:
-    mean = np.zeros(16, np.float32)
+    mean = np.zeros(2, np.float32)
     for bad in (np.nan, np.inf):
-        mean[5] = bad
+        mean[1] = bad
         for decode in (codec.decode, codec.decode_sparse):
             with pytest.raises(CodecError, match="tensor 'w': its mean row holds NaN or Inf"):
                 decode(mean_payload(mean))
-    mean[5] = 0.5
+    mean[1] = 0.5
     got = codec.decode_sparse(mean_payload(mean))["w"]
-    assert isinstance(got, codec.SparseTensor) and got.mean is not None and got.mean[5] == 0.5
-    np.testing.assert_array_equal(got.indices, [3, 13, 33])
-    np.testing.assert_array_equal(codec.decode(mean_payload(mean))["w"], got.dense())
+    assert isinstance(got, codec.SparseTensor) and got.mean is not None and list(got.mean) == [0.0, 0.5]
+    np.testing.assert_array_equal(got.indices[:9], [1, 2, 3, 4, 5, 6, 7, 8, 65])
+    dense = codec.decode(mean_payload(mean))["w"]
+    np.testing.assert_array_equal(dense, got.dense())
+    assert dense[0, 0] == 0.0 and dense[0, 1] == 1.5 and dense[1, 0] == 1.0 and dense[10, 1] == 0.5
 
 
 def test_values_near_the_float32_limit_send_a_zero_mean_row_rather_than_overflow() -> None:
     big = float(np.finfo(np.float32).max)
-    x = np.array([[big, -big, 1.0], [-big, big, 2.0]], np.float32)
+    x = np.ones((128, 3), np.float32)  # tall enough for a mean row at density 0.5
+    x[:2] = [[big, -big, 1.0], [-big, big, 2.0]]
     residual: dict[str, np.ndarray] = {}
     payload = codec.encode(
         {"w": x}, CodecConfig(name="sparse", chunk=64, density=0.5, dense_below=0), residual=residual

@@ -21,6 +21,9 @@ from geofed_hpc.codec.quant import SCRATCH, block_minmax, block_scales, dequanti
 from geofed_hpc.errors import CodecError
 
 LEVELS = {"int16": 65535, "int8": 255, "int4": 15, "int2": 3}
+# sparse: a matrix sends its mean row when top-k keeps this many values per column on average (rows x density):
+# one float32 per column then adds at most about 5% to the matrix's bits
+MEAN_ROW_MIN_KEPT = 64
 MINMAX = tuple(LEVELS)
 _BF16_MAX = 0x7F7F  # largest finite bfloat16 magnitude
 
@@ -56,9 +59,12 @@ class Plan:
         return dataclasses.replace(self, row=row)
 
     def has_mean(self, shape: tuple[int, ...]) -> bool:
-        """sparse: whether the tensor's first piece starts with its mean row (float32, shape[-1] values)."""
-        sparse_ = self.for_tensor(shape).codec == "sparse"
-        return sparse_ and self.mean_row and len(shape) >= 2 and math.prod(shape) > 0
+        """sparse: whether the tensor's first piece starts with its mean row (float32, shape[-1] values): a sparse
+        matrix whose rows keep MEAN_ROW_MIN_KEPT values per column on average (an embedding, an output layer)."""
+        if not (self.mean_row and len(shape) >= 2 and shape[-1] > 0 and self.for_tensor(shape).codec == "sparse"):
+            return False
+        rows = math.prod(shape) // shape[-1]
+        return rows * self.keep >= MEAN_ROW_MIN_KEPT * self.block_size
 
 
 def content_size(plan: Plan, n: int) -> int:

@@ -49,9 +49,10 @@ class CodecConfig:
     dense_codec: Annotated[str, choice(("int8", "int4", "int2"))] = "int4"
     """sparse: the min-max codec (codec.block_size blocks) of the tensors below codec.dense_below."""
     mean_row: StrictBool = True
-    """sparse: each sparse matrix also sends its mean row (float32, one value per column, added to every row),
-    and top-k picks from what is left. AdamW moves every row of an embedding or output layer each step, along a
-    shared direction: one row carries that common part exactly, where top-k would spend its budget on it."""
+    """sparse: a sparse matrix of at least 64 / density rows (an embedding, an output layer) also sends its mean
+    row (float32, one value per column, added to every row), and top-k picks from what is left. AdamW moves every
+    row of such a layer each step, along a shared direction: one row carries that common part exactly, where
+    top-k would spend its budget on it."""
 
     def __post_init__(self) -> None:
         check(len(set(self.adaptive_codecs)) == len(self.adaptive_codecs), "codec.adaptive_codecs", "has duplicates")
