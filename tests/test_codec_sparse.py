@@ -223,6 +223,19 @@ def tall(chunk: int, density: float, cols: int) -> st.SearchStrategy[np.ndarray]
     )
 
 
+def with_mean_row(x: np.ndarray, cfg: CodecConfig) -> tuple[np.ndarray, codec.SparseTensor]:
+    """(what decoding gives, what the PS holds) of matrix `x`; the residual is exactly what decoding loses, and the
+    PS's sparse tensor is the site's decoded one, bit for bit."""
+    residual: dict[str, np.ndarray] = {}
+    payload = codec.encode({"t": x}, cfg, residual=residual)
+    y = codec.decode(payload)["t"]
+    np.testing.assert_array_equal(residual["t"], x - y)
+    got = codec.decode_sparse(payload)["t"]
+    assert isinstance(got, codec.SparseTensor)
+    np.testing.assert_array_equal(got.dense(), y)
+    return y, got
+
+
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), shift=st.floats(-1e3, 1e3, width=32), shape=SHAPES, bits=st.integers(1, 4))
 def test_a_matrix_sends_its_mean_row_and_top_k_of_what_is_left(
@@ -231,14 +244,8 @@ def test_a_matrix_sends_its_mean_row_and_top_k_of_what_is_left(
     chunk, density = shape
     x = data.draw(tall(chunk, density, data.draw(st.integers(1, 5))))
     x = x + np.float32(shift) * np.arange(x.shape[-1], dtype=np.float32)  # a common part in every row
-    cfg = CodecConfig(name="sparse", chunk=chunk, density=density, value_bits=bits, dense_below=0)
-    residual: dict[str, np.ndarray] = {}
-    payload = codec.encode({"t": x}, cfg, residual=residual)
-    y = codec.decode(payload)["t"]
-    np.testing.assert_array_equal(residual["t"], x - y)
-    got = codec.decode_sparse(payload)["t"]
-    assert isinstance(got, codec.SparseTensor) and got.mean is not None
-    np.testing.assert_array_equal(got.dense(), y)  # the PS's view is the site's, bit for bit
+    y, got = with_mean_row(x, CodecConfig(name="sparse", chunk=chunk, density=density, value_bits=bits, dense_below=0))
+    assert got.mean is not None
     rows = x.reshape(-1, x.shape[-1]).astype(np.float64)
     np.testing.assert_allclose(got.mean, rows.mean(axis=0), rtol=1e-6, atol=1e-30 + 1e-6 * np.abs(rows).max())
     left = (rows - got.mean).reshape(-1)  # what top-k picks from
@@ -277,14 +284,9 @@ def test_a_mean_row_lines_up_across_pieces(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(stream, "PIECE", 256)  # 910 values in rows of 7: four pieces, three starting mid-row
     x = (np.random.default_rng(6).standard_normal((130, 7)) + np.arange(7)).astype(np.float32)
     cfg = CodecConfig(name="sparse", chunk=64, density=0.5, dense_below=0)  # a mean row from 128 rows on
-    residual: dict[str, np.ndarray] = {}
-    payload = codec.encode({"w": x}, cfg, residual=residual)
-    y = codec.decode(payload)["w"]
-    np.testing.assert_array_equal(residual["w"], x - y)
-    got = codec.decode_sparse(payload)["w"]
-    assert isinstance(got, codec.SparseTensor) and got.mean is not None
+    y, got = with_mean_row(x, cfg)
+    assert got.mean is not None
     np.testing.assert_allclose(got.mean, x.astype(np.float64).mean(axis=0), rtol=1e-6)
-    np.testing.assert_array_equal(got.dense(), y)
     assert np.abs(x - y).max() < np.abs(x - x.mean(axis=0)).max()
     short = codec.decode_sparse(codec.encode({"w": x[:127]}, cfg))["w"]  # 127 rows x 0.5 < 64: no mean row
     assert isinstance(short, codec.SparseTensor) and short.mean is None
