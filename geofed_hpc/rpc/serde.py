@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,21 +47,33 @@ def _fill(msg: Any, obj: Any) -> None:
 
 def from_proto(cls: type, msg: Any) -> Any:
     """Build dataclass `cls` from protobuf message `msg` (unset sub-messages become None)."""
-    hints = typing.get_type_hints(cls, vars(m))
     kwargs: dict[str, Any] = {}
+    for name, kind, inner in _fields(cls):
+        value = getattr(msg, name)
+        if kind == "messages":
+            kwargs[name] = [from_proto(inner, item) for item in value]
+        elif kind == "message":
+            kwargs[name] = from_proto(inner, value) if msg.HasField(name) else None
+        elif kind == "list":
+            kwargs[name] = list(value)
+        else:
+            kwargs[name] = value
+    return cls(**kwargs)
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[tuple[str, str, Any], ...]:
+    """(field, kind, dataclass inside) per field of `cls`, worked out once per class: resolving the annotations
+    evaluates their strings, too slow to repeat for every chunk of a push."""
+    hints = typing.get_type_hints(cls, vars(m))
+    out = []
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         inner = _dataclass_in(hint)
-        value = getattr(msg, f.name)
-        if inner is not None and typing.get_origin(hint) is list:
-            kwargs[f.name] = [from_proto(inner, item) for item in value]
-        elif inner is not None:
-            kwargs[f.name] = from_proto(inner, value) if msg.HasField(f.name) else None
-        elif typing.get_origin(hint) is list:
-            kwargs[f.name] = list(value)
-        else:
-            kwargs[f.name] = value
-    return cls(**kwargs)
+        listed = typing.get_origin(hint) is list
+        kind = ("messages" if listed else "message") if inner is not None else ("list" if listed else "value")
+        out.append((f.name, kind, inner))
+    return tuple(out)
 
 
 def _dataclass_in(hint: Any) -> type | None:
