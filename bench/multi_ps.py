@@ -19,7 +19,10 @@ metrics:
   raw_tcp_mb_per_s               a plain TCP stream of the same size between two processes on the same host,
                                  measured in the same run (the baseline; the peers' own sockets are gloo's)
 Targets: identical_versions = versions, lost = doubled = 0, failover_s <= 30, rejoin_s <= 30, all-reduce >= 0.7x TCP.
---json writes {"rows": [one row of exactly the keys above, and ps, sites], "targets": ..., ...}.
+--json writes {"rows": [one row of exactly the keys above, and ps, sites], "targets": ..., ...}; beside the rows,
+raw_tcp_ring_mb_per_s: three processes streaming to each other in a ring at once (the all-gather's traffic) over
+plain TCP, each one's receive rate: on one host the three streams share its cores, so no all-gather among the
+three peers receives faster than that, whatever its algorithm.
 """
 
 from __future__ import annotations
@@ -110,6 +113,46 @@ def raw_tcp_mb_per_s(nbytes: int, repeats: int = 20) -> float:
         seconds = time.monotonic() - start
         child.wait(timeout=60)
     return got / seconds / 1e6
+
+
+_RING_PEER = """
+import socket, sys, threading, time
+listener, port, nbytes, repeats = socket.socket(fileno=int(sys.argv[1])), int(sys.argv[2]), *map(int, sys.argv[3:])
+out = socket.create_connection(("127.0.0.1", port))
+inc, _ = listener.accept()
+data, got, view = bytes(nbytes), 0, memoryview(bytearray(1 << 20))
+sender = threading.Thread(target=lambda: [out.sendall(data) for _ in range(repeats)])
+start = time.monotonic()
+sender.start()
+while got < nbytes * repeats:
+    got += inc.recv_into(view)
+sender.join()
+print(got / (time.monotonic() - start) / 1e6)
+"""
+
+
+def raw_tcp_ring_mb_per_s(nbytes: int, peers: int = PEERS, repeats: int = 20) -> float:
+    """`peers` processes each streaming `nbytes` `repeats` times to the next over plain TCP on 127.0.0.1 while
+    receiving from the previous, all at once: the all-gather's traffic pattern. Each peer's receive rate (MB/s),
+    the median: no all-gather among `peers` processes on this host can receive faster."""
+    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(peers)]
+    try:
+        ports = [s.getsockname()[1] for s in listeners]
+        children = [
+            subprocess.Popen(
+                [sys.executable, "-c", _RING_PEER, str(s.fileno()), str(ports[(i + 1) % peers]), str(nbytes),
+                 str(repeats)],
+                pass_fds=[s.fileno()],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for i, s in enumerate(listeners)
+        ]  # fmt: skip
+        rates = [float(child.communicate(timeout=120)[0]) for child in children]
+    finally:
+        for s in listeners:
+            s.close()
+    return statistics.median(rates)
 
 
 def site_config(work: Path, shards: Path, args: argparse.Namespace) -> Path:
@@ -210,8 +253,10 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "raw_tcp_mb_per_s": round(raw_tcp_mb_per_s(max(share_bytes, 1)), 1),
     }
     # the row holds exactly the issue's keys; what explains them stands beside it
+    ring = round(raw_tcp_ring_mb_per_s(max(share_bytes, 1)), 1)
     return {"rows": [row], "site_exit_codes": codes, "allreduce_share_bytes": share_bytes,
-            "killed_at_s": round(t_kill - last_before, 2), "targets": checks(row)}  # fmt: skip
+            "raw_tcp_ring_mb_per_s": ring, "killed_at_s": round(t_kill - last_before, 2),
+            "targets": checks(row)}  # fmt: skip
 
 
 def checks(row: dict[str, Any]) -> dict[str, bool]:
@@ -255,6 +300,8 @@ def main() -> None:
     raw = result["rows"][0]["raw_tcp_mb_per_s"]
     allreduce = result["rows"][0]["allreduce_mb_per_s"] or 0.0
     print(f"all-reduce vs raw TCP  {allreduce / raw:.2f}x (all-reduce of {result['allreduce_share_bytes']:,} bytes)")
+    ring = result["raw_tcp_ring_mb_per_s"]
+    print(f"raw TCP ring           {ring} MB/s per peer: {ring / raw:.2f}x one stream (all-gather ceiling here)")
     for target, met in result["targets"].items():
         print(f"target {target:30} {'met' if met else 'NOT met'}")
     print(f"wrote {args.json}")
