@@ -125,7 +125,10 @@ sender = threading.Thread(target=lambda: [out.sendall(data) for _ in range(repea
 start = time.monotonic()
 sender.start()
 while got < nbytes * repeats:
-    got += inc.recv_into(view)
+    n = inc.recv_into(view)
+    if not n:
+        sys.exit(f"the previous peer closed its stream after {got} of {nbytes * repeats} bytes")
+    got += n
 sender.join()
 print(got / (time.monotonic() - start) / 1e6)
 """
@@ -136,9 +139,10 @@ def raw_tcp_ring_mb_per_s(nbytes: int, peers: int = PEERS, repeats: int = 20) ->
     receiving from the previous, all at once: the all-gather's traffic pattern. Each peer's receive rate (MB/s),
     the median: no all-gather among `peers` processes on this host can receive faster."""
     listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(peers)]
+    children: list[subprocess.Popen[str]] = []
     try:
         ports = [s.getsockname()[1] for s in listeners]
-        children = [
+        children += [
             subprocess.Popen(
                 [sys.executable, "-c", _RING_PEER, str(s.fileno()), str(ports[(i + 1) % peers]), str(nbytes),
                  str(repeats)],
@@ -150,6 +154,10 @@ def raw_tcp_ring_mb_per_s(nbytes: int, peers: int = PEERS, repeats: int = 20) ->
         ]  # fmt: skip
         rates = [float(child.communicate(timeout=120)[0]) for child in children]
     finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
         for s in listeners:
             s.close()
     return statistics.median(rates)
