@@ -18,7 +18,8 @@ What bounds concurrent_speedup on this machine, per row: the pushing side (this 
 streams) runs on the same cores as the PS, so two pushes at once need (PS + site) CPU per push twice over;
 with every core busy a push cannot take less than that over the core count. speedup_ceiling = one push's wall
 time x cores / that CPU per push (two at once), the speedup at full use of every core; cores_busy_one and
-cores_busy_two are the cores in use (from /proc/stat, every process) while one and two pushes run.
+cores_busy_two are the cores in use (from /proc/stat, every process) while one and two pushes run; cores are
+the ones this process may run on (its affinity).
 """
 
 from __future__ import annotations
@@ -67,9 +68,11 @@ def ps_cpu(child: PSProcess) -> float:
 
 
 def machine_ticks() -> tuple[int, int]:
-    """(busy, total) clock ticks of every core so far (/proc/stat: idle and iowait are not busy)."""
-    ticks = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+    """(busy ticks of every core, ticks of one core) so far (/proc/stat: idle and iowait are not busy)."""
+    lines = Path("/proc/stat").read_text().splitlines()
+    ticks = [int(x) for x in lines[0].split()[1:]]
+    cores = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+    return sum(ticks) - ticks[3] - ticks[4], sum(ticks) // cores
 
 
 def own_cpu() -> float:
@@ -147,7 +150,7 @@ def measure(codec_name: str, args: argparse.Namespace) -> dict[str, Any]:
     mb = len(payload) / 1e6
     pushes = args.repeats + 1  # timed() makes one more call than it times
     cpu_two = (cpu2 - cpu1 + own2 - own1) / (2 * pushes)  # PS and pushing side, per push, two at once
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0))  # the cores this benchmark and its PS may run on
     decode_s = timed(lambda: codec.decode(payload), args.repeats)
     params = sum(v[0] if len(v) == 1 else v[0] * v[1] for v in shapes.values())
     return {
@@ -166,8 +169,8 @@ def measure(codec_name: str, args: argparse.Namespace) -> dict[str, Any]:
         "ps_cpu_ms_per_push_two_at_once": round(1000 * (cpu2 - cpu1) / (2 * pushes), 1),
         "site_cpu_ms_per_push": round(1000 * (own1 - own0) / pushes, 1),
         "site_cpu_ms_per_push_two_at_once": round(1000 * (own2 - own1) / (2 * pushes), 1),
-        "cores_busy_one": round(cores * (tick1[0] - tick0[0]) / (tick1[1] - tick0[1]), 2),
-        "cores_busy_two": round(cores * (tick2[0] - tick1[0]) / (tick2[1] - tick1[1]), 2),
+        "cores_busy_one": round((tick1[0] - tick0[0]) / (tick1[1] - tick0[1]), 2),
+        "cores_busy_two": round((tick2[0] - tick1[0]) / (tick2[1] - tick1[1]), 2),
         "speedup_ceiling": round(push_s * cores / cpu_two, 3),
         "decode_only_mb_per_s": round(mb / decode_s, 1),
         "ps_peak_rss_mb": round(rss["peak_rss_mb"], 1),
