@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +21,16 @@ from geofed_hpc.log import logger
 def no_user_config(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Tests (and the commands they start) never read the developer's own ~/.config/geofed-hpc site files."""
     os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("xdg-config"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def temp_files_in_basetemp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """What this process puts in the temp dir (the private staging dirs of the in-memory PSes many tests build and
+    drop) lands under the session's base temp, which pytest removes after a passing run."""
+    before = tempfile.tempdir
+    tempfile.tempdir = str(tmp_path_factory.mktemp("tmp"))
+    yield
+    tempfile.tempdir = before
 
 
 def bible_shards(tmp_path_factory: pytest.TempPathFactory, count: int, max_tokens: int = 30000) -> Path:
