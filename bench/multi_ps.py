@@ -152,7 +152,12 @@ def raw_tcp_ring_mb_per_s(nbytes: int, peers: int = PEERS, repeats: int = 20) ->
             )
             for i, s in enumerate(listeners)
         ]  # fmt: skip
-        rates = [float(child.communicate(timeout=120)[0]) for child in children]
+        rates = []
+        for i, child in enumerate(children):
+            out = child.communicate(timeout=120)[0]
+            if child.returncode != 0:  # it said why on stderr
+                raise RuntimeError(f"raw TCP ring: peer {i} failed with exit code {child.returncode}")
+            rates.append(float(out))
     finally:
         for child in children:
             if child.poll() is None:
