@@ -151,6 +151,38 @@ def test_the_crafted_payload_is_valid_when_its_positions_are() -> None:
     np.testing.assert_array_equal(got.values, [1.0, 1.0, 1.0])
 
 
+def test_each_chunk_may_keep_its_first_value_but_no_position_twice() -> None:
+    """A row's first gap is its first position (0 is fine); a zero gap anywhere else repeats a position."""
+    rows = content([[3, 10, 20], [0, 5, 6]])
+    got = codec.decode_sparse(crafted(rows, 128, 64, 3, 2))["w"]
+    assert isinstance(got, codec.SparseTensor)
+    np.testing.assert_array_equal(got.indices, [3, 13, 33, 64, 69, 75])
+    with pytest.raises(CodecError, match="sparse chunk 1: positions are not strictly increasing"):
+        codec.decode_sparse(crafted(content([[0, 1, 2], [4, 0, 1]]), 128, 64, 3, 2))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_dequantized_values_are_the_signed_level_rounded_once(bits: int) -> None:
+    """+-(lo + q * step) in float64, rounded once to float32, a sign bit of zero magnitude included (-0.0): what
+    sites and the PS compute alike, bit for bit; and symbols unpack to exactly what was packed."""
+    rng = np.random.default_rng(bits)
+    rows, k = 50, 16
+    lo = np.abs(rng.standard_normal(rows)).astype(np.float32)
+    lo[:5] = 0.0
+    step = (np.abs(rng.standard_normal(rows)) / 3).astype(np.float32)
+    step[5:10] = 0.0
+    sym = rng.integers(0, 1 << bits, (rows, k)).astype(np.uint8)
+    unpacked = sparse.unpack_bits(sparse.pack_bits(sym.reshape(-1), bits), sym.size, bits)
+    np.testing.assert_array_equal(unpacked, sym.reshape(-1))
+    q = (sym & ((1 << (bits - 1)) - 1)).astype(np.float64)
+    mag = (lo.astype(np.float64)[:, None] + q * step.astype(np.float64)[:, None]).astype(np.float32)
+    want = np.where(sym >> (bits - 1) == 1, -mag, mag)
+    got = sparse.dequantize(lo, step, sym, bits)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    negative_zero = got[:5][sym[:5] == 1 << (bits - 1)]  # the sign set on a zero level (lo = 0, q = 0)
+    assert negative_zero.size and (negative_zero == 0).all() and np.signbit(negative_zero).all()
+
+
 @pytest.mark.parametrize(
     "keep, bits, chunk, message",
     [

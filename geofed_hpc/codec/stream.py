@@ -30,7 +30,7 @@ from geofed_hpc.codec.frames import DATA, END, HEADER, FrameReader
 from geofed_hpc.codec.inputs import Tensor, pieces, tensors_of
 from geofed_hpc.codec.quant import block_minmax, block_scales, num_blocks
 from geofed_hpc.codec.sparse import SparseTensor
-from geofed_hpc.codec.zstdio import Inflater, compress_parts, compressor
+from geofed_hpc.codec.zstdio import Inflater, compress_parts, compressor, decompressor
 from geofed_hpc.config import WIRE_CODECS, CodecConfig
 from geofed_hpc.errors import CodecError
 from geofed_hpc.log import logger
@@ -375,13 +375,15 @@ Target = Callable[[str, tuple[int, ...], int, int], np.ndarray]
 
 
 class Scratch:
-    """Buffers one decoder reuses from payload to payload: the decoded tensors and a piece's content. Writing to
-    fresh pages costs more than decoding into them, and concurrent threads faulting pages in contend in the kernel;
-    reused buffers avoid both. A tensor decoded into a Scratch is valid until its next payload."""
+    """Buffers one decoder reuses from payload to payload: the decoded tensors, a piece's content and a zstd
+    decompressor. Writing to fresh pages costs more than decoding into them, and concurrent threads faulting pages
+    in contend in the kernel; reused buffers avoid both. A tensor decoded into a Scratch is valid until its next
+    payload."""
 
     def __init__(self) -> None:
         self._arrays: dict[str, np.ndarray] = {}
         self._content = np.empty(0, np.uint8)
+        self.dctx = decompressor()
 
     def array(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         a = self._arrays.get(name)
@@ -476,7 +478,7 @@ class StreamDecoder:
         else:
             size = head + schemes.content_size(plan, n)
             content = self.scratch.content(size) if self.scratch is not None else np.empty(size, np.uint8)
-            sink = Inflater(content, what)
+            sink = Inflater(content, what, self.scratch.dctx if self.scratch is not None else None)
         for k in range(1 << 32):
             try:
                 frame = reader.next()

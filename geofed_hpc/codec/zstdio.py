@@ -48,16 +48,22 @@ class _Sink:
         return n
 
 
-class Inflater:
-    """Decompresses one zstd frame fed in pieces straight into `buf`; no byte more or less than its size."""
+def decompressor() -> zstd.ZstdDecompressor:
+    """A zstd decompressor that refuses windows beyond what our levels pick. Reuse one for frame after frame on a
+    thread (never two frames at once): making one costs ~10 us, most of it a CPU feature probe that holds the GIL
+    and, under a hypervisor, traps to it."""
+    return zstd.ZstdDecompressor(max_window_size=_MAX_WINDOW)
 
-    def __init__(self, buf: np.ndarray, what: str) -> None:
+
+class Inflater:
+    """Decompresses one zstd frame fed in pieces straight into `buf`; no byte more or less than its size. With
+    `dctx` (from `decompressor()`, used for nothing else until this frame is finished) no new one is made."""
+
+    def __init__(self, buf: np.ndarray, what: str, dctx: zstd.ZstdDecompressor | None = None) -> None:
         self.what = what
         self._sink = _Sink(buf, what)  # no reference back to self: nothing waits for the cycle collector
         sink: Any = self._sink  # a file-like object with write(): all the decompressor needs
-        self._writer = zstd.ZstdDecompressor(max_window_size=_MAX_WINDOW).stream_writer(
-            sink, write_size=_WRITE, closefd=False
-        )
+        self._writer = (dctx or decompressor()).stream_writer(sink, write_size=_WRITE, closefd=False)
 
     def feed(self, data: memoryview) -> None:
         """Decompress the next compressed bytes."""
