@@ -8,17 +8,20 @@ Modest (this 2-core development machine):
 Both go to one PS process (bench/ps_scale.py --serve): (a) a bare client-streaming method that parses and drops
 1 MiB chunks, (b) PushDelta into a buffered PS that folds every delta (no version bump, so nothing else runs).
 The payload is the encoded delta; its checksum is computed before timing, as a site does before it pushes.
-Per codec also (c) two PushDeltas at once from two threads (two sites), and once (d) the bare method carrying
-the raw float32 bytes of the same parameters. The JSON's top level has, for the first codec (int8 by default):
-int8_params_vs_raw_fp32, its push ingest in parameters/s over (d)'s (>= 1: compression never makes the PS slower
-than shipping fp32), and concurrent_speedup, (c)'s parameters/s over (b)'s. The PS's CPU time per push, alone and
-two at once, tells contention (it grows) from a machine without free cores (it stays, the wall time grows).
+Per codec also (c) two sites (two threads sharing one channel) pushing at once, push after push, and once
+(d) the bare method carrying the raw float32 bytes of the same parameters. The JSON's top level has, for the first
+codec (int8 by default): int8_params_vs_raw_fp32, its push ingest in parameters/s over (d)'s (>= 1: compression
+never makes the PS slower than shipping fp32), and concurrent_speedup, (c)'s parameters/s over (b)'s, both as
+the steady rate of back-to-back pushes (--repeats of them per site, after one each to warm up). Rows also carry
+concurrent_speedup_paired: two pushes started together and both awaited, again and again (each pair takes as long
+as its slower push, with one core idle at its end). The PS's CPU time per push, alone and two at once, tells
+contention (it grows) from a machine without free cores (it stays, the wall time grows).
 
 What bounds concurrent_speedup on this machine, per row: the pushing side (this process: the two sites' gRPC
 streams) runs on the same cores as the PS, so two pushes at once need (PS + site) CPU per push twice over;
 with every core busy a push cannot take less than that over the core count. speedup_ceiling = one push's wall
 time x cores / that CPU per push (two at once), the speedup at full use of every core; cores_busy_one and
-cores_busy_two are the cores in use (from /proc/stat, every process) while one and two pushes run; cores are
+cores_busy_two are the cores in use (from /proc/stat, every process) while one and two sites push; cores are
 the ones this process may run on (its affinity).
 """
 
@@ -32,6 +35,8 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +88,11 @@ def own_cpu() -> float:
 
 def both(fn: Any) -> None:
     """Run fn() on two threads at once (two sites pushing) and wait for both."""
+    at_once(fn, 2)
+
+
+def at_once(fn: Any, sites: int) -> None:
+    """Run fn() on `sites` threads at once and wait for them all."""
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -91,13 +101,41 @@ def both(fn: Any) -> None:
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
 
-    threads = [threading.Thread(target=run) for _ in range(2)]
+    threads = [threading.Thread(target=run) for _ in range(sites)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
+
+
+class Meter:
+    """CPU used while one kind of measurement ran, summed over its rounds: the PS's and this process's (seconds),
+    and every core's busy ticks against the ticks of one core."""
+
+    def __init__(self, child: PSProcess) -> None:
+        self.child = child
+        self.ps = self.site = 0.0
+        self.busy = self.ticks = self.pushes = 0
+
+    @contextmanager
+    def counting(self, pushes: int) -> Iterator[None]:
+        ps0, site0, (busy0, ticks0) = ps_cpu(self.child), own_cpu(), machine_ticks()
+        yield
+        ps1, site1, (busy1, ticks1) = ps_cpu(self.child), own_cpu(), machine_ticks()
+        self.ps, self.site = self.ps + ps1 - ps0, self.site + site1 - site0
+        self.busy, self.ticks = self.busy + busy1 - busy0, self.ticks + ticks1 - ticks0
+        self.pushes += pushes
+
+
+def steady(push: Any, sites: int, pushes: int) -> float:
+    """Seconds per round of `sites` pushes in the steady state: `sites` threads push `pushes` times each, back to
+    back, after one push each to warm up."""
+    at_once(push, sites)
+    t0 = time.perf_counter()
+    at_once(lambda: [push() for _ in range(pushes)], sites)
+    return (time.perf_counter() - t0) / pushes
 
 
 def measure(codec_name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -139,17 +177,20 @@ def measure(codec_name: str, args: argparse.Namespace) -> dict[str, Any]:
 
                 raw_s = timed(raw, args.repeats)
                 raw_fp32_s = timed(raw_fp32, args.repeats)
-            cpu0, own0, tick0 = ps_cpu(child), own_cpu(), machine_ticks()
-            push_s = timed(real_push, args.repeats)
-            cpu1, own1, tick1 = ps_cpu(child), own_cpu(), machine_ticks()
-            push2_s = timed(lambda: both(real_push), args.repeats)
-            cpu2, own2, tick2 = ps_cpu(child), own_cpu(), machine_ticks()
+            one, two, ones, twos = Meter(child), Meter(child), [], []
+            for _ in range(args.rounds):  # one site, then two, in turn: a drift of the machine touches both alike
+                with one.counting(args.repeats + 1):  # steady() makes one more push per site than it times
+                    ones.append(steady(real_push, 1, args.repeats))
+                with two.counting(2 * (args.repeats + 1)):
+                    twos.append(steady(real_push, 2, args.repeats))
+            pair_s = timed(lambda: both(real_push), args.repeats)
             rss = child.ask("rss")
     finally:
         child.close()
     mb = len(payload) / 1e6
-    pushes = args.repeats + 1  # timed() makes one more call than it times
-    cpu_two = (cpu2 - cpu1 + own2 - own1) / (2 * pushes)  # PS and pushing side, per push, two at once
+    push_s, push2_s = statistics.median(ones), statistics.median(twos)
+    speedups = [2 * a / b for a, b in zip(ones, twos, strict=True)]
+    cpu_two = (two.ps + two.site) / two.pushes  # PS and pushing side, per push, two at once
     cores = len(os.sched_getaffinity(0))  # the cores this benchmark and its PS may run on
     decode_s = timed(lambda: codec.decode(payload), args.repeats)
     params = sum(v[0] if len(v) == 1 else v[0] * v[1] for v in shapes.values())
@@ -164,13 +205,15 @@ def measure(codec_name: str, args: argparse.Namespace) -> dict[str, Any]:
         "raw_fp32_mparams_per_s": round(params / raw_fp32_s / 1e6, 1),
         "params_vs_raw_fp32": round(raw_fp32_s / push_s, 3),
         "two_pushes_mparams_per_s": round(2 * params / push2_s / 1e6, 1),
-        "concurrent_speedup": round(2 * push_s / push2_s, 3),
-        "ps_cpu_ms_per_push": round(1000 * (cpu1 - cpu0) / pushes, 1),
-        "ps_cpu_ms_per_push_two_at_once": round(1000 * (cpu2 - cpu1) / (2 * pushes), 1),
-        "site_cpu_ms_per_push": round(1000 * (own1 - own0) / pushes, 1),
-        "site_cpu_ms_per_push_two_at_once": round(1000 * (own2 - own1) / (2 * pushes), 1),
-        "cores_busy_one": round((tick1[0] - tick0[0]) / (tick1[1] - tick0[1]), 2),
-        "cores_busy_two": round((tick2[0] - tick1[0]) / (tick2[1] - tick1[1]), 2),
+        "concurrent_speedup": round(statistics.median(speedups), 3),
+        "concurrent_speedup_rounds": [round(x, 3) for x in speedups],
+        "concurrent_speedup_paired": round(2 * push_s / pair_s, 3),
+        "ps_cpu_ms_per_push": round(1000 * one.ps / one.pushes, 1),
+        "ps_cpu_ms_per_push_two_at_once": round(1000 * two.ps / two.pushes, 1),
+        "site_cpu_ms_per_push": round(1000 * one.site / one.pushes, 1),
+        "site_cpu_ms_per_push_two_at_once": round(1000 * two.site / two.pushes, 1),
+        "cores_busy_one": round(one.busy / one.ticks, 2),
+        "cores_busy_two": round(two.busy / two.ticks, 2),
         "speedup_ceiling": round(push_s * cores / cpu_two, 3),
         "decode_only_mb_per_s": round(mb / decode_s, 1),
         "ps_peak_rss_mb": round(rss["peak_rss_mb"], 1),
@@ -182,15 +225,18 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=Path("wire.json"))
     p.add_argument("--params", type=float, default=25e6)
     p.add_argument("--codecs", default="int8,fp32", help="the first one fills the top-level fields of --json")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=10, help="pushes per site, per measurement")
+    p.add_argument("--rounds", type=int, default=3, help="one site then two, this many times in turn (median)")
     p.add_argument("--block-size", type=int, default=1 << 16)
     args = p.parse_args()
     rows = [measure(name, args) for name in args.codecs.split(",")]
     head = ("payload MB", "raw MB/s", "push MB/s", "ratio", "Mparam/s", "fp32 Mp/s", "vs fp32", "x2 Mp/s", "speedup")
+    head += ("paired",)
     head += ("decode MB/s", "PS ms CPU", "x2 ms CPU", "x2 site ms", "busy x1", "busy x2", "ceiling", "PS RSS MB")
     print(f"{'codec':<8}" + "".join(f"{h:>12}" for h in head))
     keys = ("payload_mb", "raw_mb_per_s", "push_mb_per_s", "ratio", "push_mparams_per_s", "raw_fp32_mparams_per_s")
-    keys += ("params_vs_raw_fp32", "two_pushes_mparams_per_s", "concurrent_speedup", "decode_only_mb_per_s")
+    keys += ("params_vs_raw_fp32", "two_pushes_mparams_per_s", "concurrent_speedup", "concurrent_speedup_paired")
+    keys += ("decode_only_mb_per_s",)
     keys += ("ps_cpu_ms_per_push", "ps_cpu_ms_per_push_two_at_once", "site_cpu_ms_per_push_two_at_once")
     keys += ("cores_busy_one", "cores_busy_two", "speedup_ceiling", "ps_peak_rss_mb")
     for r in rows:

@@ -29,7 +29,8 @@ class Ingest:
     """Decodes pushes as they arrive. A push that finds one of the `threads` (ps.decode_threads) decoder slots
     free streams its chunks to a decoder on a pool of as many threads while the handler thread hashes them (and
     writes them to a staging file when the delta may be journaled); zstd and numpy release the GIL, so concurrent
-    pushes decode on every core, and a push's decoding overlaps its transfer. Nothing decoded is used before the
+    dense pushes decode on every core (not sparse ones: their many small numpy steps each take the GIL back), and a
+    push's decoding overlaps its transfer. Nothing decoded is used before the
     stream's length and sha256 verified: a broken stream leaves the model untouched. A push that finds no free slot
     is staged whole and decoded later (ParameterServerLogic's staged path), and takes a slot then.
 
