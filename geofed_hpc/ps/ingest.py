@@ -30,9 +30,9 @@ class Ingest:
     free streams its chunks to a decoder on a pool of as many threads while the handler thread hashes them (and
     writes them to a staging file when the delta may be journaled); zstd and numpy release the GIL, so concurrent
     dense pushes decode on every core (not sparse ones: their many small numpy steps each take the GIL back), and a
-    push's decoding overlaps its transfer. Nothing decoded is used before the
-    stream's length and sha256 verified: a broken stream leaves the model untouched. A push that finds no free slot
-    is staged whole and decoded later (ParameterServerLogic's staged path), and takes a slot then.
+    push's decoding overlaps its transfer. Nothing decoded is used before the stream's length and sha256 verified:
+    a broken stream leaves the model untouched. A push that finds no free slot is staged whole and decoded later
+    (ParameterServerLogic's staged path), and takes a slot then.
 
     Memory: a slot keeps the buffers it decodes dense deltas into (a Scratch: writing fresh pages costs more than
     decoding, and threads faulting them in at once contend in the kernel), so the PS holds `threads` models' worth
