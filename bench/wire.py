@@ -12,7 +12,9 @@ Per codec also (c) two sites (two threads sharing one channel) pushing at once, 
 (d) the bare method carrying the raw float32 bytes of the same parameters. The JSON's top level has, for the first
 codec (int8 by default): int8_params_vs_raw_fp32, its push ingest in parameters/s over (d)'s (>= 1: compression
 never makes the PS slower than shipping fp32), and concurrent_speedup, (c)'s parameters/s over (b)'s, both as
-the steady rate of back-to-back pushes (--repeats of them per site, after one each to warm up). Rows also carry
+the steady rate of back-to-back pushes (--repeats of them per site, after one each to warm up); one site and two
+take --rounds turns each, and concurrent_speedup is the median of the turns' ratios (a drift of the machine during
+the run touches both sides of a ratio alike). Rows also carry
 concurrent_speedup_paired: two pushes started together and both awaited, again and again (each pair takes as long
 as its slower push, with one core idle at its end). The PS's CPU time per push, alone and two at once, tells
 contention (it grows) from a machine without free cores (it stays, the wall time grows).
