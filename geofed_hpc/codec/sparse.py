@@ -213,7 +213,7 @@ def dequantize(lo: np.ndarray, step: np.ndarray, sym: np.ndarray, bits: int) -> 
     mag = lo.astype(np.float64)[:, None] + q * step.astype(np.float64)[:, None]
     np.minimum(mag, _F32_MAX, out=mag)
     mag *= 1.0 - 2.0 * (sym >> (bits - 1))  # the sign: exact in float64, and rounding to float32 is symmetric
-    return mag.astype(np.float32)  # (a masked np.negative after the cast took 3x as long as all of this)
+    return mag.astype(np.float32)  # (a masked np.negative after the cast took twice as long as all of this)
 
 
 def pack_bits(sym: np.ndarray, width: int) -> np.ndarray:
