@@ -88,11 +88,6 @@ def own_cpu() -> float:
     return t.user + t.system
 
 
-def both(fn: Any) -> None:
-    """Run fn() on two threads at once (two sites pushing) and wait for both."""
-    at_once(fn, 2)
-
-
 def at_once(fn: Any, sites: int) -> None:
     """Run fn() on `sites` threads at once and wait for them all."""
     errors: list[BaseException] = []
@@ -185,7 +180,7 @@ def measure(codec_name: str, args: argparse.Namespace) -> dict[str, Any]:
                     ones.append(steady(real_push, 1, args.repeats))
                 with two.counting(2 * (args.repeats + 1)):
                     twos.append(steady(real_push, 2, args.repeats))
-            pair_s = timed(lambda: both(real_push), args.repeats)
+            pair_s = timed(lambda: at_once(real_push, 2), args.repeats)
             rss = child.ask("rss")
     finally:
         child.close()

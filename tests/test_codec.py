@@ -250,6 +250,29 @@ def test_encode_frames_and_stream_decoder_work_piece_by_piece(monkeypatch: pytes
     assert seen[:4] == [(0, 1000), (1000, 2000), (2000, 3000), (3000, 3500)]  # the first pass (global range)
 
 
+@pytest.mark.parametrize("cfg", [INT8, CodecConfig(name="sparse", dense_below=0)], ids=["int8", "sparse"])
+def test_a_decoder_slot_reuses_its_decompressor_cleanly_after_a_stream_broke_mid_frame(
+    cfg: CodecConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Scratch keeps one zstd decompressor for every piece it decodes; a stream cut off inside a zstd frame (its
+    piece spread over several data frames) leaves it half-way, and the next payload still decodes exactly."""
+    monkeypatch.setattr(stream, "FRAME", 512)
+    first = codec.encode({"w": adam_like(400_000, seed=3).reshape(2000, 200)}, cfg)
+    data = [(start, end) for kind, start, end in frame_spans(first) if kind == DATA]
+    assert len(data) > 4  # the piece spans several data frames: the cut below falls inside one zstd frame
+    scratch = stream.Scratch()
+    dctx = scratch.dctx
+    with pytest.raises(CodecError, match="truncated"):
+        stream.decode_stream(first[: data[2][1]], sparse=True, scratch=scratch)
+    second = codec.encode(sample(), cfg)
+    _, got = stream.decode_stream(second, sparse=True, scratch=scratch)
+    assert scratch.dctx is dctx
+    want = codec.decode(second)
+    for name, value in got.items():
+        dense = value.dense() if isinstance(value, codec.SparseTensor) else value
+        np.testing.assert_array_equal(dense, want[name])
+
+
 def test_codec_name_reads_the_header_frame_only() -> None:
     for cfg in ALL:
         payload = codec.encode(sample(), cfg)
