@@ -54,6 +54,7 @@ from geofed_hpc.rpc import messages as m  # noqa: E402
 from geofed_hpc.rpc import serde  # noqa: E402
 from geofed_hpc.rpc.channel import client_options  # noqa: E402
 from geofed_hpc.rpc.client import PSClient  # noqa: E402
+from geofed_hpc.rpc.guard import bearer  # noqa: E402
 from geofed_hpc.rpc.stream import digest, to_chunks  # noqa: E402
 
 
@@ -154,7 +155,7 @@ def measure(codec_name: str, args: argparse.Namespace) -> dict[str, Any]:
 
             def real_push() -> None:
                 header = m.PushHeader(session, 0, 1, 1, codec_name, len(payload), sha, uuid.uuid4().hex)
-                reply = push(to_chunks(header, payload, chunk), timeout=3600)
+                reply = push(to_chunks(header, payload, chunk), timeout=3600, metadata=bearer(session))
                 assert reply.accepted, reply.reason
 
             with grpc.insecure_channel(child.sink_address, options=client_options(PSConfig())) as channel:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 
 class GeofedError(Exception):
     """Base of every error geofed-hpc raises on purpose; its message is meant for the user."""
@@ -56,9 +58,20 @@ class UnavailableError(GeofedError):
 
 
 class LimitError(GeofedError):
-    """A limit of the parameter server is reached (sessions per site, sessions in all); retry later."""
+    """A limit of the parameter server is reached (sessions, streams a session or peer may hold, handler threads);
+    `retry_after` (when set) is how long to wait before trying again."""
 
     grpc_code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, retry_after: timedelta | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class PermissionDeniedError(GeofedError):
+    """The caller proved who it is, but may not do this (a site certificate used for another site's name)."""
+
+    grpc_code = "PERMISSION_DENIED"
 
 
 class LaunchError(GeofedError):
@@ -72,6 +85,7 @@ _BY_CODE: dict[str, type[GeofedError]] = {
     "FAILED_PRECONDITION": StaleError,
     "UNAVAILABLE": UnavailableError,
     "RESOURCE_EXHAUSTED": LimitError,
+    "PERMISSION_DENIED": PermissionDeniedError,
 }
 
 

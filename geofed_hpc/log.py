@@ -9,6 +9,20 @@ LOGGER_NAME = "geofed_hpc"
 logger = logging.getLogger(LOGGER_NAME)
 
 
+def escape(text: object, limit: int = 64) -> str:
+    """Text that came from the network, as a log line or an error may show it: every character that is not
+    printable escaped (no forged lines, no terminal escapes), cut after `limit` characters with the count of the
+    rest."""
+    s = text if isinstance(text, str) else str(text)
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in s[:limit])
+    return shown + (f"...(+{len(s) - limit} chars)" if len(s) > limit else "")
+
+
+def quote(text: object, limit: int = 64) -> str:
+    """escape(), in quotes."""
+    return f"'{escape(text, limit)}'"
+
+
 def setup_logging(verbosity: int = 0, stream=None) -> None:
     """Configure the package logger once: -1 quiet (warnings), 0 info, 1+ debug."""
     level = logging.WARNING if verbosity < 0 else logging.DEBUG if verbosity > 0 else logging.INFO

@@ -88,7 +88,7 @@ def test_large_tensor_is_streamed_in_chunks(tmp_path: Path, monkeypatch: pytest.
     seen: list[int] = []
     real = tensorfile.atomic_write_bytes
 
-    def spy(path: Path, data: object) -> None:
+    def spy(path: Path, data: object, mode: int | None = None) -> None:
         assert not isinstance(data, (bytes, bytearray, memoryview)), "save_tensors must stream, not build one blob"
 
         def chunks() -> Iterator[bytes]:
@@ -96,7 +96,7 @@ def test_large_tensor_is_streamed_in_chunks(tmp_path: Path, monkeypatch: pytest.
                 seen.append(len(chunk))
                 yield chunk
 
-        real(path, chunks())
+        real(path, chunks(), mode)
 
     monkeypatch.setattr(tensorfile, "atomic_write_bytes", spy)
     big = np.random.default_rng(1).standard_normal(10_000).astype(np.float32)

@@ -20,8 +20,9 @@ from geofed_hpc import codec, faults
 from geofed_hpc.ckpt import CheckpointStore
 from geofed_hpc.ckpt.atomic import TEMP_MARKER
 from geofed_hpc.config import CodecConfig
-from geofed_hpc.errors import UnavailableError
+from geofed_hpc.errors import ProtocolError, UnavailableError
 from geofed_hpc.ps.app import ParameterServer
+from geofed_hpc.ps.sessions import handle_of
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 from geofed_hpc.testing.partition import Partition
@@ -129,7 +130,8 @@ def test_ps_sigkilled_then_restarted_loses_no_delta_and_applies_none_twice(
         client.connect()
         assert client.status().version == restart_version
         again = client.join(m.JoinRequest("site-a", joined_.rejoin_token, resume_session=sid))  # session restored
-        assert again.session_id == sid
+        assert handle_of(again.session_id) == handle_of(sid)  # the same session, with a new secret
+        sid = headers[0].session_id = headers[1].session_id = again.session_id
         resent = client.push_delta(headers[1], ones_payload(params))  # the site's retransmission, same push id
         assert resent.accepted and resent.duplicate == duplicate
         versions.append(resent.version)
@@ -180,10 +182,11 @@ def test_a_ps_sigkilled_with_a_sync_round_open_keeps_the_accepted_delta(tmp_path
 
 
 @pytest.mark.parametrize("rule", ["none", "trimmed_mean"])
-def test_a_restart_replays_the_journaled_open_round_and_drops_a_damaged_entry(tmp_path: Path, rule: str) -> None:
+def test_a_restart_replays_the_journaled_open_round_and_sets_aside_a_damaged_entry(tmp_path: Path, rule: str) -> None:
     """Buffered mode (K=3), in memory: two deltas are journaled, the PS is abandoned without a shutdown (a crash),
-    one entry's payload is cut short on disk. The restart replays the intact one; the damaged push's
-    retransmission is applied as new; the third closes the round with exactly the three deltas."""
+    one entry's payload is cut short on disk. The restart replays the intact one and sets the damaged one aside (kept,
+    never replayed); the damaged push's retransmission is applied as new; the third closes the round with exactly
+    the three deltas."""
     kw = {"state_dir": str(tmp_path), "buffer_size": 3, "robust": rule, "trim_fraction": 0.0}
     logic = make("buffered", **kw)
     a, b, c = joined(logic, 3)
@@ -201,18 +204,24 @@ def test_a_restart_replays_the_journaled_open_round_and_drops_a_damaged_entry(tm
     assert push(restarted, c, 0, full(params, 6.0), push_id="pc").accepted
     assert restarted.version == 1
     expect(restarted, a, {k: v + 3.0 for k, v in params.items()}, 1, atol=1e-6)  # mean(1, 2, 6)
-    assert not list((tmp_path / "round").iterdir())
+    assert [p.name for p in (tmp_path / "round").iterdir()] == ["set-aside"]
+    assert sorted(p.name for p in (tmp_path / "round" / "set-aside").iterdir()) == [
+        damaged.with_suffix(".json").name,
+        damaged.name,
+    ]
     restarted.finish()
 
 
 def test_a_push_id_never_becomes_a_path_in_the_round_journal(tmp_path: Path) -> None:
-    """Push ids come from sites: one that looks like a path is journaled inside the journal directory and
-    replayed like any other."""
+    """Push ids come from sites: one with a path's separators is refused, one that is a path component ("..") is
+    journaled inside the journal directory and replayed like any other."""
     state = tmp_path / "state"
     logic = make("buffered", state_dir=str(state), buffer_size=2)
     a, _ = joined(logic, 2)
     params = init(logic, a)
-    hostile = "../../outside/x"
+    with pytest.raises(ProtocolError, match="is not 1-128 letters, digits"):
+        push(logic, a, 0, full(params, 1.0), push_id="../../outside/x")
+    hostile = ".."
     assert push(logic, a, 0, full(params, 1.0), push_id=hostile).accepted
     assert sorted(p.suffix for p in (state / "round").iterdir()) == [".json", ".push"]
     assert not (tmp_path / "outside").exists() and not (state / "outside").exists()

@@ -20,6 +20,7 @@ from geofed_hpc.ps.app import ParameterServer
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc import serde
 from geofed_hpc.rpc.client import PSClient
+from geofed_hpc.rpc.guard import bearer
 from geofed_hpc.rpc.stream import digest, to_chunks
 from tests.conftest import ps_config, small_params
 from tests.test_ps_bad_input import FP32, crafted, ones
@@ -63,6 +64,7 @@ class Target:
         self.client = PSClient(cfg, self.server.address)
         self.client.connect()
         self.session = self.client.join(m.JoinRequest("fuzz", TOKEN)).session_id
+        self.auth = bearer(self.session)  # the metadata of the fuzzer's own session: its calls pass the gate
         self.params = small_params()
         init = m.PushHeader(self.session, 0, 0, 0, "fp32", 0, b"", "init", init=True)
         assert self.client.push_delta(init, codec.encode(self.params, FP32)).accepted
@@ -93,6 +95,7 @@ class Target:
 @pytest.fixture(scope="module")
 def target() -> Iterator[Target]:
     t = Target()
+    TARGET_SESSION[0] = t.session
     yield t
     t.close()
 
@@ -106,6 +109,18 @@ def expect_refused(call: Any) -> Any:
         return None
 
 
+def carried(credential: str, fallback: str = "") -> tuple[tuple[str, str], ...]:
+    """The metadata a call with `credential` carries; one a header cannot hold (not printable ASCII) is sent as
+    `fallback`'s (the fuzzed PS's own session by default), so the request still reaches the PS and must be refused
+    there."""
+    if credential.isascii() and credential.isprintable():
+        return bearer(credential)
+    return bearer(fallback or TARGET_SESSION[0])
+
+
+TARGET_SESSION = [""]  # the fuzzed PS's own session, once it joined
+
+
 # ---------------------------------------------------------------- raw bytes at the method level
 METHODS = {meth.name: meth for meth in serde.METHODS}
 ident = {"request_serializer": lambda b: b, "response_deserializer": lambda b: b}
@@ -114,13 +129,13 @@ ident = {"request_serializer": lambda b: b, "response_deserializer": lambda b: b
 @FUZZ
 @given(name=st.sampled_from(["Join", "Heartbeat", "Status", "StreamModel", "FetchAux"]), body=st.binary(max_size=2048))
 def test_raw_garbage_unary_requests(target: Target, name: str, body: bytes) -> None:
-    path = METHODS[name].path
+    path, auth = METHODS[name].path, bearer(TOKEN) if name in ("Join", "Status") else target.auth
     if METHODS[name].server_streaming:
         call = target.raw.unary_stream(path, **ident)
-        expect_refused(lambda: list(call(body, timeout=10)))
+        expect_refused(lambda: list(call(body, timeout=10, metadata=auth)))
     else:
         call = target.raw.unary_unary(path, **ident)
-        expect_refused(lambda: call(body, timeout=10))
+        expect_refused(lambda: call(body, timeout=10, metadata=auth))
     target.unchanged()
 
 
@@ -130,14 +145,14 @@ def test_bytes_that_do_not_parse_are_bad_input_named_not_a_crash(target: Target)
             METHODS[name].path, **ident
         )
         with pytest.raises(grpc.RpcError) as err:
-            result = call(b"\xff\xff\xff", timeout=10)
+            result = call(b"\xff\xff\xff", timeout=10, metadata=bearer(TOKEN) if name == "Join" else target.auth)
             if METHODS[name].server_streaming:
                 list(result)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert f"malformed {kind} message" in str(err.value.details())
     push = target.raw.stream_unary(METHODS["PushDelta"].path, **ident)
     with pytest.raises(grpc.RpcError) as err:
-        push(iter([b"\xff\xff\xff"]), timeout=10)
+        push(iter([b"\xff\xff\xff"]), timeout=10, metadata=target.auth)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed Chunk message" in str(
         err.value.details()
     )
@@ -156,7 +171,7 @@ def test_bytes_that_do_not_parse_are_bad_input_named_not_a_crash(target: Target)
 )
 def test_raw_garbage_push_streams(target: Target, messages: list[bytes]) -> None:
     call = target.raw.stream_unary(METHODS["PushDelta"].path, **ident)
-    reply = expect_refused(lambda: call(iter(messages), timeout=10))
+    reply = expect_refused(lambda: call(iter(messages), timeout=10, metadata=target.auth))
     if reply is not None:  # bytes that happen to parse as a push are never an applied delta
         parsed = serde.deserializer(m.PushReply)(reply)
         assert parsed.duplicate or not parsed.accepted
@@ -179,7 +194,8 @@ floats = st.floats(allow_nan=True, allow_infinity=True)
 @FUZZ
 @given(site=text, token=st.one_of(text, st.just(TOKEN)), resume=st.one_of(st.just(""), text))
 def test_joins_with_bad_or_random_fields(target: Target, site: str, token: str, resume: str) -> None:
-    expect_refused(lambda: target.client._calls["Join"](m.JoinRequest(site, token, "", resume), timeout=10))
+    join = target.client._calls["Join"]
+    expect_refused(lambda: join(m.JoinRequest(site, token, "", resume), timeout=10, metadata=carried(token)))
     assert len(target.server.logic.core.sessions.sessions) <= 64
     target.unchanged()
 
@@ -201,11 +217,11 @@ def test_heartbeats_and_model_requests_with_bad_fields(
 ) -> None:  # fmt: skip
     sid = target.session if session == "valid" else session
     hb = m.HeartbeatRequest(sid, version, steps, leaving and sid != target.session, val)
-    expect_refused(lambda: target.client._calls["Heartbeat"](hb, timeout=10))
+    expect_refused(lambda: target.client._calls["Heartbeat"](hb, timeout=10, metadata=carried(sid)))
     if sid == target.session and not (math.isfinite(wait) and 0 <= wait <= 0.05):
         wait = 0.0  # a valid session may long-poll: keep the fuzz fast
     req = m.ModelRequest(sid, min_version, wait, have, True)
-    expect_refused(lambda: list(target.client._calls["StreamModel"](req, timeout=10)))
+    expect_refused(lambda: list(target.client._calls["StreamModel"](req, timeout=10, metadata=carried(sid))))
     target.unchanged()
 
 
@@ -289,7 +305,7 @@ def test_malformed_pushes(target: Target, defects: list[str], seed: int, chunk: 
         first = chunks[0]
         chunks[0] = m.Chunk(data=b"", push=first.push, model=first.model)
         chunks[1:1] = [m.Chunk(data=b"\0" * (LIMIT + 1)), m.Chunk(data=first.data)]
-    reply = expect_refused(lambda: target.push(iter(chunks), timeout=20))
+    reply = expect_refused(lambda: target.push(iter(chunks), timeout=20, metadata=target.auth))
     if reply is not None:  # only a duplicate or a second init may be answered, and neither is applied
         assert reply.duplicate or not reply.accepted, (defects, reply)
     target.unchanged()
@@ -325,6 +341,7 @@ class SplitTarget:
         self.client = PSClient(cfg.ps, self.server.address)
         self.client.connect()
         self.session = self.client.join(m.JoinRequest("fuzz", paradigm=cfg.paradigm.describe())).session_id
+        self.auth = bearer(self.session)
         self.digest = self.part.digest()
         unlimited = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
         self.raw = grpc.insecure_channel(self.server.address, options=unlimited)
@@ -351,12 +368,12 @@ def split_target() -> Iterator[SplitTarget]:
 def test_split_bytes_that_do_not_parse_are_bad_input_named_not_a_crash(split_target: SplitTarget) -> None:
     split = split_target.raw.stream_stream(METHODS["Split"].path, **ident)
     with pytest.raises(grpc.RpcError) as err:
-        list(split(iter([b"\xff\xff\xff"]), timeout=10))
+        list(split(iter([b"\xff\xff\xff"]), timeout=10, metadata=split_target.auth))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "malformed Chunk message" in str(err.value.details())
     fetch = split_target.raw.unary_stream(METHODS["FetchAux"].path, **ident)
     with pytest.raises(grpc.RpcError) as err:
-        list(fetch(b"\xff\xff\xff", timeout=10))
+        list(fetch(b"\xff\xff\xff", timeout=10, metadata=split_target.auth))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "malformed AuxRequest message" in str(err.value.details())
     split_target.unchanged()
@@ -371,9 +388,9 @@ def test_raw_garbage_split_streams_and_aux_requests(
     split_target: SplitTarget, messages: list[bytes], body: bytes
 ) -> None:
     split = split_target.raw.stream_stream(METHODS["Split"].path, **ident)
-    expect_refused(lambda: list(split(iter(messages), timeout=10)))
+    expect_refused(lambda: list(split(iter(messages), timeout=10, metadata=split_target.auth)))
     fetch = split_target.raw.unary_stream(METHODS["FetchAux"].path, **ident)
-    expect_refused(lambda: list(fetch(body, timeout=10)))
+    expect_refused(lambda: list(fetch(body, timeout=10, metadata=split_target.auth)))
     split_target.unchanged()
 
 
@@ -396,9 +413,9 @@ def test_split_uploads_and_aux_requests_with_bad_fields(
     sid = split_target.session if session == "valid" else session
     payload = np.random.default_rng(seed).bytes(seed % 5000)
     header = m.SplitHeader(sid, kind, cut, shape, codec_name, announce, digest(payload), acts_bytes)
-    expect_refused(
-        lambda: list(split_target.client._calls["Split"](iter(to_chunks(header, payload, 4096)), timeout=10))
-    )
+    auth = carried(sid, split_target.session)
+    split = split_target.client._calls["Split"]
+    expect_refused(lambda: list(split(iter(to_chunks(header, payload, 4096)), timeout=10, metadata=auth)))
     request = m.AuxRequest(sid, version, cut)
-    expect_refused(lambda: list(split_target.client._calls["FetchAux"](request, timeout=10)))
+    expect_refused(lambda: list(split_target.client._calls["FetchAux"](request, timeout=10, metadata=auth)))
     split_target.unchanged()

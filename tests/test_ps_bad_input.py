@@ -19,6 +19,7 @@ from geofed_hpc.errors import AuthError, CodecError, GeofedError, ProtocolError,
 from geofed_hpc.ps.servicer import ParameterServerLogic
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
+from geofed_hpc.rpc.guard import bearer
 from geofed_hpc.rpc.stream import digest, to_chunks
 from tests.conftest import ps_config, small_params
 from tests.test_ps_logic import init, joined, make, push_chunks
@@ -220,7 +221,7 @@ def test_bad_pushes_over_grpc_get_precise_statuses(live_ps) -> None:
         raw = client._calls["PushDelta"]
         for name, build, _, code in CASES:
             with pytest.raises(grpc.RpcError) as info:
-                raw(iter(build(a, params)), timeout=30)
+                raw(iter(build(a, params)), timeout=30, metadata=bearer(a))
             assert info.value.code().name == code, f"{name}: {info.value.code().name} {info.value.details()}"
             assert info.value.details(), name
         assert logic.model_hash() == before and logic.version == 0
@@ -246,10 +247,10 @@ def test_client_that_breaks_off_mid_stream_changes_nothing(live_ps) -> None:
             raise ConnectionError("the site's link dropped")
 
         with pytest.raises(grpc.RpcError) as info:
-            client._calls["PushDelta"](broken(), timeout=30)
+            client._calls["PushDelta"](broken(), timeout=30, metadata=bearer(a))
         assert info.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAILABLE)
         assert logic.model_hash() == before
         # the retransmission (same push id) is applied once
-        assert client._calls["PushDelta"](iter(chunks), timeout=30).accepted
+        assert client._calls["PushDelta"](iter(chunks), timeout=30, metadata=bearer(a)).accepted
         assert logic.version == 1
         assert staged_files(logic) == []

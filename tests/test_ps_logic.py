@@ -13,6 +13,7 @@ from geofed_hpc import codec
 from geofed_hpc.config import CodecConfig
 from geofed_hpc.errors import AuthError, ProtocolError, StaleError
 from geofed_hpc.ps.servicer import ParameterServerLogic
+from geofed_hpc.ps.sessions import handle_of
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import collect, digest, to_chunks
 from tests.conftest import ps_config, small_params
@@ -285,7 +286,12 @@ def test_rejoin_token_is_one_time_and_enroll_token_checked() -> None:
         logic.join(m.JoinRequest("osc", "wrong"))
     first = logic.join(m.JoinRequest("osc", "s3cret"))
     second = logic.join(m.JoinRequest("osc", first.rejoin_token, resume_session=first.session_id))
-    assert second.session_id == first.session_id and second.rejoin_token != first.rejoin_token
+    # the same session (its handle), with a new secret: the credential of before acts no more
+    assert handle_of(second.session_id) == handle_of(first.session_id) and second.session_id != first.session_id
+    assert second.rejoin_token != first.rejoin_token
+    assert logic.heartbeat(m.HeartbeatRequest(second.session_id)).version == 0
+    with pytest.raises(AuthError, match="unknown session"):
+        logic.heartbeat(m.HeartbeatRequest(first.session_id))
     with pytest.raises(AuthError, match="already used"):
         logic.join(m.JoinRequest("osc", first.rejoin_token, resume_session=first.session_id))
 

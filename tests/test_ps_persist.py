@@ -18,6 +18,7 @@ from geofed_hpc.ckpt.atomic import TEMP_MARKER
 from geofed_hpc.client.replica import apply_updates
 from geofed_hpc.config import CodecConfig
 from geofed_hpc.errors import CheckpointError
+from geofed_hpc.ps.sessions import handle_of
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 from tests.conftest import ps_config, small_params
@@ -52,7 +53,8 @@ def test_restart_restores_model_momentum_sessions_pushes_and_history(tmp_path: P
     for k, v in before[2].items():
         np.testing.assert_array_equal(restarted.core.model.downlink.residual[k], v)
     again = restarted.join(m.JoinRequest("site1", rejoin.rejoin_token, resume_session=b))  # the token survived
-    assert again.session_id == b and again.version == 3
+    assert handle_of(again.session_id) == handle_of(b) and again.version == 3  # the same session, a new secret
+    b = again.session_id
     assert push(restarted, a, 2, random_delta(params, 2), cfg=INT8, push_id="r2").duplicate
     header, payload = fetch(restarted, b, 0)  # the downlink history survived too
     assert header.kind == "updates" and len(header.segments) == 3

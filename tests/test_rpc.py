@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -26,6 +27,7 @@ from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc import serde
 from geofed_hpc.rpc.channel import client_options
 from geofed_hpc.rpc.client import PSClient
+from geofed_hpc.rpc.guard import Principal, bearer
 from geofed_hpc.rpc.server import start_server
 from geofed_hpc.rpc.stream import digest, to_chunks
 from geofed_hpc.testing.partition import Partition
@@ -183,7 +185,7 @@ def test_graceful_stop_finishes_a_push_in_flight_and_snapshots_it(tmp_path: Path
             release.wait(timeout=60)
             yield from chunks[1:]
 
-        future = client._calls["PushDelta"].future(slow(), timeout=60)
+        future = client._calls["PushDelta"].future(slow(), timeout=60, metadata=bearer(a))
         assert first_sent.wait(timeout=30)
         stopper = threading.Thread(target=server.stop, kwargs={"grace": timedelta(seconds=30)})
         stopper.start()
@@ -236,7 +238,7 @@ def test_port_in_use_is_a_clear_error() -> None:
         port = s.getsockname()[1]
         logic = ParameterServerLogic(ps_config(), m.RunSettings())
         with pytest.raises(UnavailableError, match=rf"127\.0\.0\.1:{port}.*in use"):
-            start_server(logic, ps_config(port=port))
+            start_server(logic, logic.gate, ps_config(port=port))
         logic.finish()
 
 
@@ -301,6 +303,16 @@ def test_connect_gives_up_within_its_timeout(tmp_path: Path, monkeypatch: pytest
     assert waits and max(waits) <= 1.0 and sum(waits) <= 1.0 + 1e-6, waits
 
 
+class Anyone:
+    """An authority that lets every call in (a test of what happens behind the gate)."""
+
+    def authenticate(self, method: str, credential: str) -> Principal:
+        return Principal("open")
+
+    def admit(self, caller: Any) -> Any:
+        return lambda: None
+
+
 def test_a_crash_in_a_handler_is_logged_with_its_stack_and_answers_internal(
     warnings_log: pytest.LogCaptureFixture,
 ) -> None:
@@ -311,14 +323,14 @@ def test_a_crash_in_a_handler_is_logged_with_its_stack_and_answers_internal(
         def __init__(self, exc: Exception) -> None:
             self.exc = exc
 
-        def status(self, request: m.StatusRequest) -> m.StatusReply:
+        def status(self, request: m.StatusRequest, caller: Any = None) -> m.StatusReply:
             raise self.exc
 
         join = stream_model = push_delta = heartbeat = split = fetch_aux = status
 
     for exc in (RuntimeError("boom"), CheckpointError("snapshot unreadable")):
         warnings_log.clear()
-        running = start_server(Crashing(exc), ps_config())  # type: ignore[arg-type]
+        running = start_server(Crashing(exc), Anyone(), ps_config())  # type: ignore[arg-type]
         try:
             with PSClient(ps_config(), f"127.0.0.1:{running.port}") as client:
                 with pytest.raises(GeofedError, match="Status refused by the parameter server") as info:

@@ -35,6 +35,7 @@ from geofed_hpc.ps.servicer import ParameterServerLogic
 from geofed_hpc.ps.split.service import SplitService
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
+from geofed_hpc.rpc.guard import bearer
 from geofed_hpc.rpc.stream import collect, digest, to_chunks
 from tests.conftest import ps_config
 from tests.test_ps_bad_input import crafted
@@ -304,7 +305,7 @@ def test_bad_uploads_over_grpc_get_precise_statuses_and_another_cut_cannot_join(
             raw = client._calls["Split"]
             for name, build, _, _, code in CASES:
                 with pytest.raises(grpc.RpcError) as info:
-                    list(raw(iter(build(session)), timeout=30))
+                    list(raw(iter(build(session)), timeout=30, metadata=bearer(session)))
                 assert info.value.code().name == code, f"{name}: {info.value.code().name} {info.value.details()}"
             assert server.split.digest() == before and server.split.server.steps == 0
             acts, targets = batch()

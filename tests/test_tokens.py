@@ -15,6 +15,7 @@ from geofed_hpc.cli import main
 from geofed_hpc.config import PSConfig, RunConfig
 from geofed_hpc.errors import AuthError, ConfigError, LimitError, ProtocolError
 from geofed_hpc.ps.app import ParameterServer
+from geofed_hpc.ps.sessions import handle_of
 from geofed_hpc.ps.tokens import TokenFile, TokenVerifier, tokens_path
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
@@ -75,7 +76,7 @@ def test_verifier_refuses_wrong_site_expired_revoked_unknown_and_logs_no_secret(
     logic = make(state_dir=str(tmp_path))
     logic.core.sessions.verifier = TokenVerifier(path, clock=lambda: now[0])
     sid = logic.join(m.JoinRequest("osc-0", good)).session_id  # osc's token admits its numbered jobs
-    assert logic.core.sessions.sessions[sid].token_id == rec.id
+    assert logic.core.sessions.sessions[handle_of(sid)].token_id == rec.id
     assert logic.join(m.JoinRequest("osc", short)).session_id
     cases = [
         ("for site 'osc', not this one", m.JoinRequest("tacc", good)),
@@ -96,7 +97,7 @@ def test_verifier_refuses_wrong_site_expired_revoked_unknown_and_logs_no_secret(
         logic.join(m.JoinRequest("osc", good))
     with pytest.raises(AuthError, match="revoked"):  # the session that joined with it ends too
         logic.heartbeat(m.HeartbeatRequest(sid))
-    assert sid not in logic.core.sessions.sessions
+    assert handle_of(sid) not in logic.core.sessions.sessions
     refused = [r.getMessage() for r in warnings_log.records if "refused" in r.getMessage()]
     assert len(refused) >= 6
     assert not [line for line in refused if good.split("_", 2)[2] in line or short.split("_", 2)[2] in line]
@@ -137,7 +138,7 @@ def test_sessions_per_site_and_in_all_are_bounded_under_a_flood_of_joins() -> No
     logic.heartbeat(m.HeartbeatRequest(first[1]))
     logic.heartbeat(m.HeartbeatRequest(first[2]))
     fresh = logic.join(m.JoinRequest("osc")).session_id  # the idle session makes room
-    assert set(logic.core.sessions.sessions) == {first[1], first[2], fresh}
+    assert set(logic.core.sessions.sessions) == {handle_of(s) for s in (first[1], first[2], fresh)}
     # A flood of joins under many site names: the table never grows past ps.max_sessions.
     refused = 0
     for i in range(2000):

@@ -1,4 +1,4 @@
-"""Crash-safe file replacement: temp file in the same directory, fsync, os.replace, fsync the directory."""
+"""Crash-safe file replacement (temp file beside it, fsync, os.replace, fsync the directory); owner-only folders."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
 
 TEMP_MARKER = ".tmp-"
+PRIVATE_FILE = 0o600  # state files: read and written by their owner only
+PRIVATE_DIR = 0o700
 Chunk = bytes | bytearray | memoryview
 
 
@@ -67,21 +69,60 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: Chunk | Iterable[Chunk]) -> None:
+def private_dirs(directory: Path) -> Path:
+    """Make `directory` and the folders missing on the way to it, each made here mode 0700 (mkdir's mode passes
+    through the umask, so it is set again); folders that exist are left as they are."""
+    directory = Path(directory)
+    missing: list[Path] = []
+    here = directory
+    while not here.exists() and here != here.parent:
+        missing.append(here)
+        here = here.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=PRIVATE_DIR)
+        except FileExistsError:  # made meanwhile by another writer
+            continue
+        os.chmod(folder, PRIVATE_DIR)
+    return directory
+
+
+def set_aside(path: Path, folder: Path) -> Path:
+    """Move `path` into `folder` (made 0700; a name taken there gets a suffix), kept for the operator; the new path."""
+    private_dirs(folder)
+    target = Path(folder) / path.name
+    n = 0
+    while target.exists():
+        n += 1
+        target = Path(folder) / f"{path.name}.{n}"
+    os.replace(path, target)
+    fsync_dir(path.parent)
+    fsync_dir(Path(folder))
+    return target
+
+
+def atomic_write_bytes(path: Path, data: Chunk | Iterable[Chunk], mode: int | None = None) -> None:
     """Replace `path` with `data` (bytes, or an iterable of byte chunks) so that a crash leaves old or new.
 
     Writes to a hidden temp file next to `path`, flushes and fsyncs it, `os.replace`s it over `path` and
     fsyncs the directory. Temp files left by an earlier crash on the same target are removed first.
-    On an exception the temp file is removed and the previous `path` is untouched.
+    On an exception the temp file is removed and the previous `path` is untouched. `mode`: the file's permission
+    bits from its first byte, whatever the umask (None: 0666 less the umask); with an owner-only mode (PRIVATE_FILE)
+    the folders made on the way are owner-only too.
     """
     path = Path(path)
     directory = path.parent
-    directory.mkdir(parents=True, exist_ok=True)
+    if mode is not None and not mode & 0o077:
+        private_dirs(directory)
+    else:
+        directory.mkdir(parents=True, exist_ok=True)
     clean_temp_files(directory, lambda target: target == path.name)
     tmp = directory / f"{temp_prefix(path)}{os.getpid()}-{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else mode)
     try:
         with os.fdopen(fd, "wb") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)  # O_CREAT's mode passes through the umask
             chunks: Iterable[Chunk] = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
             for chunk in chunks:
                 f.write(chunk)

@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-from geofed_hpc.ckpt.atomic import clean_temp_files
-from geofed_hpc.ckpt.tensorfile import SUFFIX, load_tensors, save_tensors
+from geofed_hpc.ckpt.atomic import PRIVATE_FILE, clean_temp_files, private_dirs
+from geofed_hpc.ckpt.tensorfile import SUFFIX, load_tensors, problem, save_tensors
 from geofed_hpc.errors import CheckpointError, ConfigError
 from geofed_hpc.log import logger
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+T = TypeVar("T")
 
 
 class CheckpointStore:
-    """`{prefix}-{step:09d}.gft` files in one directory; the newest `keep` are kept. One writer per store."""
+    """`{prefix}-{step:09d}.gft` files in one directory, mode 0600 (they hold sessions and rejoin tokens; a folder
+    made for them is 0700); the newest `keep` are kept. One writer per store."""
 
     def __init__(self, directory: Path, prefix: str = "ckpt", keep: int = 2) -> None:
         if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
@@ -61,7 +63,7 @@ class CheckpointStore:
         """Write the checkpoint of `step` atomically, then delete all but the newest `keep`; return its path."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"checkpoint step must be an int >= 0; got {step!r}")
-        self.directory.mkdir(parents=True, exist_ok=True)
+        private_dirs(self.directory)
         clean_temp_files(self.directory, lambda target: self._name_re.match(target) is not None)
         latest = self.latest_step()
         if latest is not None and step < latest:
@@ -72,7 +74,7 @@ class CheckpointStore:
                 latest,
             )
         path = self.path_for(step)
-        save_tensors(path, tensors, meta)
+        save_tensors(path, tensors, meta, mode=PRIVATE_FILE)
         self._prune(path)
         return path
 
@@ -87,17 +89,32 @@ class CheckpointStore:
                 continue
             logger.debug("pruned checkpoint %s", old)
 
+    def load_newest(
+        self, check: Callable[[Path, dict[str, np.ndarray], dict[str, Any]], T]
+    ) -> tuple[tuple[T, Path] | None, list[tuple[Path, str]]]:
+        """The newest checkpoint that loads and that `check(path, tensors, meta)` takes (it returns what the caller
+        keeps, or raises ValueError saying what is wrong): ((its result, path) or None when none does, [(path, what
+        is wrong)] of every newer file that did not). Nothing is moved or removed."""
+        unreadable: list[tuple[Path, str]] = []
+        for _, path in reversed(self.files()):
+            try:
+                tensors, meta = load_tensors(path)
+                return (check(path, tensors, meta), path), unreadable
+            except CheckpointError as e:
+                unreadable.append((path, problem(e, path)))
+            except ValueError as e:
+                unreadable.append((path, str(e)))
+        return None, unreadable
+
     def load_latest(self) -> tuple[dict[str, np.ndarray], dict[str, Any], Path] | None:
         """(tensors, meta, path) of the newest checkpoint that loads cleanly; corrupt files are skipped with a
         warning. None when the directory holds no loadable checkpoint."""
-        found = self.files()
-        for _, path in reversed(found):
-            try:
-                tensors, meta = load_tensors(path)
-            except CheckpointError as e:
-                logger.warning("skipping unreadable checkpoint %s, trying an older one: %s", path, e)
-                continue
-            return tensors, meta, path
-        if found:
-            logger.warning("none of the %d checkpoint files in %s could be loaded", len(found), self.directory)
-        return None
+        loaded, unreadable = self.load_newest(lambda path, tensors, meta: (tensors, meta))
+        for path, why in unreadable:
+            logger.warning("skipping unreadable checkpoint %s (%s), trying an older one", path, why)
+        if loaded is None:
+            if unreadable:
+                logger.warning("none of the %d checkpoint files in %s could be loaded", len(unreadable), self.directory)
+            return None
+        (tensors, meta), path = loaded
+        return tensors, meta, path

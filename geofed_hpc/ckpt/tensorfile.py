@@ -68,6 +68,13 @@ def _bad(path: Path, what: str, advice: str = _ADVICE) -> CheckpointError:
     return CheckpointError(f"checkpoint file {path} {what}; {advice}")
 
 
+def problem(exc: CheckpointError, path: Path) -> str:
+    """What a load error of `path` says is wrong with it, without the file's name and the advice (for a line that
+    names several files)."""
+    text = str(exc).removeprefix(f"checkpoint file {path} ")
+    return text.split("; ", 1)[0]
+
+
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -182,15 +189,20 @@ def _stream(prefix: bytes, arrays: list[Any], data_nbytes: int, version: int) ->
 
 
 def save_tensors(
-    path: Path, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any], version: int = FORMAT_VERSION
+    path: Path,
+    tensors: Mapping[str, np.ndarray],
+    meta: Mapping[str, Any],
+    version: int = FORMAT_VERSION,
+    mode: int | None = None,
 ) -> None:
     """Write `tensors` and JSON-able `meta` to `path` atomically, streaming the arrays (no pickle). `version` 1
-    writes the first format (one sequential sha256), which every release reads."""
+    writes the first format (one sequential sha256), which every release reads. `mode`: the file's permission bits
+    (None: the umask's), as atomic_write_bytes takes them."""
     if version not in (1, FORMAT_VERSION):
         raise ValueError(f"tensor-file format version must be 1 or {FORMAT_VERSION}, got {version!r}")
     path = Path(path)
     prefix, arrays, data_nbytes = _plan(path, tensors, meta, version)
-    atomic_write_bytes(path, _stream(prefix, arrays, data_nbytes, version))
+    atomic_write_bytes(path, _stream(prefix, arrays, data_nbytes, version), mode=mode)
 
 
 def _read_exact(f: io.BufferedReader, path: Path, n: int) -> bytes:

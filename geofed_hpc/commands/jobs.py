@@ -189,7 +189,7 @@ def cmd_status(cfg: RunConfig) -> int:
         )
     with PSClient(cfg.ps, address or None) as client:
         client.connect()
-        st = client.status()
+        st = client.status(_status_credential(cfg))
 
     def ago(seconds: float) -> str:
         return "-" if seconds < 0 else f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
@@ -203,7 +203,7 @@ def cmd_status(cfg: RunConfig) -> int:
     print(
         f"version {st.version}  initialized {st.initialized}  mode {mode}  params {st.num_params:,}  "
         f"uptime {ago(st.uptime_s)}  sites {st.active_sites}/{len(st.sites)} active  pending deltas "
-        f"{st.pending_deltas}  pushes in flight {st.pushes_in_flight}  snapshot {snapshot}  "
+        f"{st.pending_deltas}  pushes in flight {st.pushes_in_flight}  streams {st.streams}  snapshot {snapshot}  "
         f"updates kept {st.updates_kept}"
     )
     head = ("site", "state", "version", "pushes", "last push", "stale", "tokens", "received", "loss", "refused", "seen")
@@ -224,6 +224,22 @@ def cmd_status(cfg: RunConfig) -> int:
         for p in st.peers:
             print(f"{p.address:<24}{'yes' if p.member else 'gone':<8}{p.version if p.member else '-':>9}  {p.digest}")
     return 0
+
+
+def _status_credential(cfg: RunConfig) -> str:
+    """What `status` shows the PS: the operator's admin token when its state directory is here (on the PS's
+    machine), else the site's enrollment token (site.token); "" for a PS that needs none."""
+    from geofed_hpc.errors import CheckpointError
+    from geofed_hpc.ps.statedir import admin_token
+
+    if cfg.ps.state_dir:
+        try:
+            admin = admin_token(Path(cfg.ps.state_dir).expanduser(), create=False)
+        except (CheckpointError, OSError):
+            admin = ""  # not the PS's machine, or not readable by this user: the site's token
+        if admin:
+            return admin
+    return cfg.site.token
 
 
 def cmd_cancel(cfg: RunConfig) -> int:

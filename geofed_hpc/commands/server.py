@@ -16,11 +16,18 @@ from geofed_hpc.paths import writable_dir
 
 
 def cmd_ps_up(cfg: RunConfig) -> int:
+    # everything this process makes (W&B's files, group logs) is its user's alone, whatever the code path that
+    # makes it (the state directory's own files are made 0600 and 0700 explicitly as well)
+    os.umask(0o077)
+    # W&B's own service process writes the run's files: start one of this process's (with this umask) rather than
+    # join one that the shell that started `ps up` handed down (wandb's WANDB_SERVICE)
+    os.environ.pop("WANDB_SERVICE", None)
     # torch's C++ store and gloo warnings (a stack trace each time a peer of the group dies) before torch loads: the
     # PS logs each such failure itself, in one line (TORCH_CPP_LOG_LEVEL=WARNING brings them back)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from geofed_hpc.launch.progress import PSProgress
     from geofed_hpc.ps.app import ParameterServer
+    from geofed_hpc.ps.statedir import check_state_dir
 
     def expand(path: str) -> str:
         return str(Path(path).expanduser()) if path else ""
@@ -29,6 +36,8 @@ def cmd_ps_up(cfg: RunConfig) -> int:
         return str(writable_dir(path, setting)) if path else ""
 
     init_from = OPTIONS.init_from or cfg.ps.init_from
+    if cfg.ps.state_dir and Path(cfg.ps.state_dir).expanduser().is_dir():  # refused before anything is written there
+        check_state_dir(Path(cfg.ps.state_dir))  # when other users may write in it
     state_dir, staging_dir = writable(cfg.ps.state_dir, "ps.state_dir"), writable(cfg.ps.staging_dir, "ps.staging_dir")
     ps_cfg = replace(cfg.ps, state_dir=state_dir, staging_dir=staging_dir, init_from=expand(init_from))
     server = ParameterServer(replace(cfg, ps=ps_cfg))
@@ -89,10 +98,12 @@ def cmd_ps_init(cfg: RunConfig) -> int:
 
 
 def _token_file(cfg: RunConfig) -> Any:
+    from geofed_hpc.ps.statedir import check_state_dir
     from geofed_hpc.ps.tokens import TokenFile, tokens_path
 
     path = tokens_path(cfg.ps.state_dir)
     writable_dir(path.parent, "ps.state_dir")
+    check_state_dir(path.parent)  # the PS's private folder (0700), refused when others may write in it
     return TokenFile(path)
 
 

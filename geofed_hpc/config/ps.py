@@ -106,6 +106,20 @@ class PSConfig:
     """Receive window of each stream, at least 65536 (0: gRPC sizes windows by bandwidth x delay)."""
     max_workers: Annotated[StrictInt, Field(ge=4)] = 128
     """gRPC handler threads: each site may hold two (a push and a long-poll)."""
+    reserved_workers: AtLeastOne = 16
+    """Handler threads no push, download or long-poll may take: they always serve Join, Heartbeat and Status."""
+    max_uploads_per_session: AtLeastOne = 2
+    """Pushes and split uploads one session may have open at once (a retry may overlap a stream still ending)."""
+    max_downloads_per_session: AtLeastOne = 2
+    """Model downloads and long-polls one session may have open at once."""
+    max_streams_per_peer: AtLeastOne = 64
+    """Pushes, downloads and long-polls from one host at once (sites behind one NAT share it: raise it for many)."""
+    stream_idle_timeout: Annotated[Duration, Field(gt=timedelta(0))] = timedelta(seconds=60)
+    """A stream whose caller moves no data for this long (a push that stalls after its header, a download nobody
+    reads) is ended, and what it held is freed."""
+    stream_min_rate: Annotated[StrictInt, Field(ge=0)] = 16384
+    """Bytes per second a stream must move on average, once it has waited stream_idle_timeout on its caller in all
+    (0: no floor)."""
     shutdown_grace: Duration = timedelta(seconds=60)
     """On SIGTERM: how long pushes in flight may take to finish before the final snapshot."""
     init_from: str = ""
@@ -172,6 +186,12 @@ class PSConfig:
                 "ps.weighting",
                 f"robust rule {self.robust} is unweighted: set ps.weighting=uniform",
             )
+        check(
+            self.reserved_workers <= self.max_workers - 2,
+            "ps.reserved_workers",
+            f"must leave at least 2 of ps.max_workers ({self.max_workers}) for pushes and downloads, "
+            f"got {self.reserved_workers}",
+        )
         check(
             4096 <= self.chunk_bytes <= self.max_message_bytes // 2,
             "ps.chunk_bytes",

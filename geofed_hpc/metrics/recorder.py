@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -93,7 +94,8 @@ def _coerce(key: str, value: Any) -> float | int | str:
 
 
 class Recorder:
-    """Feed one set of metric names to `run_dir/{name}.metrics.jsonl` and to a new W&B run (one per Recorder)."""
+    """Feed one set of metric names to `run_dir/{name}.metrics.jsonl` and to a new W&B run (one per Recorder).
+    Folders it makes (run_dir, run_dir/wandb) are 0700 and the JSONL file it makes 0600: they say who trains what."""
 
     def __init__(
         self,
@@ -112,9 +114,9 @@ class Recorder:
             raise ConfigError(f"recorder name must be a non-empty file-name-safe string; got {name!r}")
         self.run_dir = Path(run_dir)
         self.name = name
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        _private_dir(self.run_dir)
         self.jsonl_path = self.run_dir / f"{name}.metrics.jsonl"
-        self._file = open(self.jsonl_path, "a+b")
+        self._file = os.fdopen(os.open(self.jsonl_path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600), "a+b")
         if self._file.tell() > 0:  # a previous segment died mid-line: end that line so ours stay parseable
             self._file.seek(-1, 2)
             if self._file.read(1) != b"\n":
@@ -125,6 +127,7 @@ class Recorder:
         self.wandb_run: Any = None
         if wandb_mode != "disabled":
             try:
+                _private_dir(self.run_dir / "wandb")  # W&B writes its files there, with the umask's modes
                 self.wandb_run = self._init_wandb(wandb_mode, job_type, group, config, project)
             except BaseException:
                 self._file.close()
@@ -211,6 +214,13 @@ class Recorder:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._close(exit_code=0 if exc_type is None else 1)
+
+
+def _private_dir(folder: Path) -> None:
+    """Make `folder` (and its parents) when missing, itself 0700 (mkdir's mode passes through the umask)."""
+    if not folder.is_dir():
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(folder, 0o700)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

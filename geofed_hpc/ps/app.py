@@ -99,7 +99,9 @@ class ParameterServer:
                 self.exporter.serve(cfg.ps.metrics_host or cfg.ps.host, cfg.ps.metrics_port)
                 self.logic.core.observer.on_site_metrics = self.exporter.observe
             self.recorder = self._recorder()
-            self._served = start_server(self.logic, cfg.ps, self.exporter.rpc if self.exporter else None)
+            self._served = start_server(
+                self.logic, self.logic.gate, cfg.ps, self.exporter.rpc if self.exporter else None
+            )
         except BaseException:
             self._close_metrics()
             self.logic.staging.close()

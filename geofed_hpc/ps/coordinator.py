@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -11,9 +12,9 @@ from datetime import timedelta
 from pathlib import Path
 
 from geofed_hpc.config import CodecConfig, PSConfig
-from geofed_hpc.errors import GeofedError, ProtocolError, StaleError, UnavailableError
+from geofed_hpc.errors import CheckpointError, GeofedError, ProtocolError, StaleError, UnavailableError
 from geofed_hpc.faults import fault
-from geofed_hpc.log import logger
+from geofed_hpc.log import logger, quote
 from geofed_hpc.paradigms.exchange import Exchange
 from geofed_hpc.ps.aggregate import Delta, Params
 from geofed_hpc.ps.journal import Entry
@@ -22,12 +23,16 @@ from geofed_hpc.ps.model import GlobalModel, NonFiniteUpdate
 from geofed_hpc.ps.observe import Contribution, Observer
 from geofed_hpc.ps.persist import Persistence, load_init
 from geofed_hpc.ps.rounds import Prepared, RoundTotals
-from geofed_hpc.ps.sessions import Session, SessionTable
+from geofed_hpc.ps.sessions import Session, SessionTable, handle_of
 from geofed_hpc.ps.staging import Staging, decode_delta
+from geofed_hpc.ps.statedir import check_state_dir, require_tokens
 from geofed_hpc.ps.strategy import strategy_for
 from geofed_hpc.ps.tokens import TokenVerifier, tokens_path
 from geofed_hpc.rpc import messages as m
+from geofed_hpc.rpc.guard import Caller
 
+# What a push id may be (it comes from a site and is written into logs, snapshots and journal entries).
+PUSH_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # A round whose update could not be made (a full disk) is tried again this long after.
 CLOSE_RETRY = timedelta(seconds=5)
 
@@ -38,11 +43,12 @@ class Coordinator:
     open round (`strategy`, picked once by strategy_for), the state directory (`persistence`) and what the PS shows
     (`observer`). No RPC here: ParameterServerLogic (servicer.py) turns requests into these calls.
 
-    Lock: `_cond` (a Condition) guards model, sessions, strategy, persistence and `_closing`, none of which has a
-    lock of its own; every public method holds it for its whole transition, so a push is admitted, counted,
-    remembered, maybe aggregated, snapshotted and journaled as one step. Long-polls wait on it for a newer version.
-    The ledger's and the observer's own locks nest inside it (never the other way round); what waits on the
-    ledger (a resent push for its first stream, `finish` for pushes in flight) waits without it.
+    Lock: `_cond` (a Condition) guards model, strategy, persistence and `_closing`, none of which has a lock of its
+    own; every public method holds it for its whole transition, so a push is admitted, counted, remembered, maybe
+    aggregated, snapshotted and journaled as one step. The session table's, the ledger's and the observer's own
+    locks nest inside it (never the other way round); what waits on the ledger (a resent push for its first stream,
+    `finish` for pushes in flight) waits without it. Long-polls wait on `_versions`, a condition of their own that
+    is only ever held for a counter, so the end of a call can wake them from gRPC's polling thread.
     """
 
     # One PS of a group (GroupedCoordinator, ps/grouped.py): its rounds close and its model moves only at the
@@ -67,9 +73,15 @@ class Coordinator:
         self._started = clock()
         self._retry_at = 0.0  # a round whose update could not be made is tried again from then on
         self._cond = threading.Condition()
+        self._versions = threading.Condition()  # long-polls wait on it, not on `_cond`: a cancel wakes them at once
+        self._published = 0  # counts the model's moves, under `_versions`
         self._closing = False
         self.group_status: Callable[[m.StatusReply], None] | None = None  # adds what the PS group shows
         state = Path(cfg.state_dir).expanduser() if cfg.state_dir else None
+        if state is not None:  # private, or the PS does not start; a token file there: Join needs a token for good
+            check_state_dir(state)
+            if tokens_path(cfg.state_dir).exists():
+                require_tokens(state)
         tokens = TokenVerifier(tokens_path(cfg.state_dir) if cfg.state_dir else None, cfg.enroll_token)
         idle_after = 3 * cfg.round_timeout.total_seconds()
         self.sessions = SessionTable(tokens, clock, idle_after, cfg.max_sessions, cfg.max_sessions_per_site)
@@ -100,10 +112,10 @@ class Coordinator:
     # ---------------------------------------------------------------- sessions, heartbeats, status
     def join(self, request: m.JoinRequest) -> m.JoinReply:
         with self._cond:
-            session_id, rejoin = self.sessions.join(request)
+            credential, rejoin = self.sessions.join(request)
             version, initialized = self.model.version, self.model.initialized
-            logger.info("site %s joined (session %s..., version %d)", request.site, session_id[:8], version)
-            return m.JoinReply(session_id, rejoin, version, initialized, self.settings)
+            logger.info("site %s joined (session %s..., version %d)", request.site, handle_of(credential)[:8], version)
+            return m.JoinReply(credential, rejoin, version, initialized, self.settings)
 
     def heartbeat(self, request: m.HeartbeatRequest) -> m.HeartbeatReply:
         with self._cond:
@@ -115,10 +127,12 @@ class Coordinator:
             if request.leaving:
                 self.sessions.leave(request.session_id)
             self._maybe_close()
-            sync_now = self.strategy.sync_now(request.session_id)
+            sync_now = self.strategy.sync_now(session.handle)
             return m.HeartbeatReply(self.model.version, sync_now=sync_now, push=self.ledger.state(request.push_id))
 
-    def status(self) -> m.StatusReply:
+    def status(self, handles: bool = True) -> m.StatusReply:
+        """The federation as this PS sees it: counts, versions and site names (`handles`: each session's public
+        handle too; no secret is ever in it)."""
         with self._cond:
             now = self._clock()
             reply = m.StatusReply(
@@ -127,7 +141,7 @@ class Coordinator:
                 self.cfg.aggregation,
                 self.model.size,
                 now - self._started,
-                self.sessions.rows(now),
+                self.sessions.rows(now, handles),
                 self.strategy.count,
                 self.cfg.outer_optimizer,
                 self.cfg.robust,
@@ -140,23 +154,44 @@ class Coordinator:
                 self.group_status(reply)
             return reply
 
-    def wait_model(self, request: m.ModelRequest, deadline: float) -> tuple[m.ModelHeader, bytes]:
+    def wait_model(
+        self, request: m.ModelRequest, deadline: float, caller: Caller | None = None
+    ) -> tuple[m.ModelHeader, bytes]:
         """The model (or the updates since the site's version) once it reaches `request.min_version`, or at
-        `deadline` (time.monotonic) or shutdown with what there is."""
+        `deadline` (time.monotonic), shutdown, or the end of the call (`caller`: a cancelled long-poll stops waiting
+        at once) with what there is. The wait holds no lock of the coordinator's."""
         with self._cond:
-            session = self.sessions.get(request.session_id)
-            while not self._closing and not (self.model.initialized and self.model.version >= request.min_version):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(timeout=min(left, 1.0))
-                self.sessions.get(request.session_id)
+            self.sessions.get(request.session_id)
+        if caller is not None:
+            caller.on_end(self._wake_waiters)
+        while True:
+            with self._versions:
+                seen = self._published
+            with self._cond:
+                session = self.sessions.get(request.session_id)  # it may have left, or its token been revoked
                 self._maybe_close()
-            if not self.model.initialized:
-                raise StaleError("the global model is not initialized yet: push an init first")
-            header, payload = self.model.payload(request)
-            session.version = header.version
-            return header, payload
+                ready = self.model.initialized and self.model.version >= request.min_version
+                left = deadline - time.monotonic()
+                if ready or self._closing or left <= 0 or (caller is not None and caller.ended):
+                    if not self.model.initialized:
+                        raise StaleError("the global model is not initialized yet: push an init first")
+                    header, payload = self.model.payload(request)
+                    session.version = header.version
+                    return header, payload
+            with self._versions:
+                if self._published == seen:
+                    self._versions.wait(timeout=min(left, 1.0))
+
+    def _publish(self) -> None:
+        """The model moved (or the PS is stopping): wake whoever waits for it (hold `_cond`)."""
+        self._cond.notify_all()
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        """Wake the long-polls (they look again); takes only `_versions`, so it may run on gRPC's polling thread."""
+        with self._versions:
+            self._published += 1
+            self._versions.notify_all()
 
     # ---------------------------------------------------------------- pushes
     def begin_push(self, header: m.PushHeader) -> tuple[Session, m.PushReply | None]:
@@ -165,12 +200,15 @@ class Coordinator:
         here until `end_push`."""
         with self._cond:
             session = self.sessions.get(header.session_id)
-        if not header.push_id:
-            raise ProtocolError("push header has no push_id: set one so a retransmission is recognised")
+        if not PUSH_ID.fullmatch(header.push_id):
+            raise ProtocolError(
+                f"push_id {quote(header.push_id, 40)} is not 1-128 letters, digits, '.', '_', ':' or '-' (every push "
+                "needs one, so a retransmission is recognised)"
+            )
         previous = self.ledger.claim(header.push_id, self.cfg.rpc_timeout)
         with self._cond:
             if previous is not None:
-                logger.info("site %s resent push %s; not applied twice", session.site, header.push_id[:8])
+                logger.info("site %s resent push %s; not applied twice", session.site, quote(header.push_id, 12))
                 return session, resent(header.push_id, previous, self.model.version)
             try:
                 self._precheck(header)
@@ -317,7 +355,7 @@ class Coordinator:
         self.observer.applied(self.model.version, len(self.sessions.active()), why)
         if self.model.version % self.cfg.snapshot_every == 0:
             self._snapshot()
-        self._cond.notify_all()
+        self._publish()
         logger.info("update from %d deltas (%s) -> version %d", totals.count, why, self.model.version)
         return True
 
@@ -347,7 +385,7 @@ class Coordinator:
         self._adopted()
         self.persistence.clear_journal()
         self._snapshot()
-        self._cond.notify_all()
+        self._publish()
 
     def _snapshot(self) -> None:
         """Write the whole PS state (hold the lock); a failure is logged, never fatal: the journal still holds
@@ -362,15 +400,28 @@ class Coordinator:
 
     # ---------------------------------------------------------------- start
     def _restore(self) -> None:
+        """Take the newest snapshot that loads; one that does not restore stops the PS in one line naming its file
+        and field (sessions and push ids go first: nothing of the model, downlink included, is touched before)."""
         loaded = self.persistence.load()
         if loaded is None:
             return
         state, path = loaded
-        self.model.restore(state, path)
-        self._adopted()
-        self.strategy.load_state(state.strategy)
-        self.sessions.load_json(state.sessions)
-        self.ledger.load_json(state.push_ids)
+        field = "sessions"
+        try:
+            self.sessions.load_json(state.sessions)
+            field = "push_ids"
+            self.ledger.load_json(state.push_ids)
+            field = "tensors"
+            self.model.restore(state, path)
+            self._adopted()
+            field = "strategy"
+            self.strategy.load_state(state.strategy)
+        except (CheckpointError, KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointError(
+                f"snapshot {path}: its {field!r} cannot be restored ({type(exc).__name__}: {exc}); the PS does not "
+                f"start: restore the file from a copy, or move it out of {path.parent} (the PS then starts from the "
+                "one before it, if any)"
+            ) from None
 
     def _init_from(self, path: Path) -> None:
         if self.model.initialized:
@@ -406,7 +457,7 @@ class Coordinator:
         """Stop long-polls from waiting (they answer with what they have); pushes in flight go on."""
         with self._cond:
             self._closing = True
-            self._cond.notify_all()
+            self._publish()
 
     def finish(self, wait: timedelta = timedelta(seconds=10)) -> None:
         """After the server stopped: wait for pushes still applying, apply the open round, snapshot."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from geofed_hpc import codec
-from geofed_hpc.ckpt import atomic_write_bytes
+from geofed_hpc.ckpt.atomic import PRIVATE_FILE, atomic_write_bytes, private_dirs
 from geofed_hpc.config import CodecConfig
 from geofed_hpc.log import logger
 from geofed_hpc.ps.aggregate import Params
@@ -34,7 +34,8 @@ class Downlink:
     decode(E_v), so a site that holds version v and applies E_v..E_{now-1} is bit-identical to the PS. The
     quantisation error e stays on the PS and joins the next update (error feedback), so nothing is lost.
 
-    The last `keep` encoded updates live in `directory` (atomic files that survive a restart) or in memory.
+    The last `keep` encoded updates live in `directory` (atomic files, mode 0600, that survive a restart) or in
+    memory.
 
     Lock: none; not thread-safe. The GlobalModel owns it, under the coordinator's lock.
     """
@@ -46,7 +47,7 @@ class Downlink:
         self.residual: Params = {}
         self._mem: OrderedDict[int, bytes] = OrderedDict()
         if directory is not None:
-            directory.mkdir(parents=True, exist_ok=True)
+            private_dirs(directory)
 
     def publish(self, version: int, update: Params) -> Params:
         """Encode update version -> version+1 (consumed) plus the residual, keep it; return exactly what to add."""
@@ -80,7 +81,7 @@ class Downlink:
         if self.keep == 0:
             return
         if self.directory is not None:
-            atomic_write_bytes(self.directory / f"update-{version:09d}.gfdc", payload)
+            atomic_write_bytes(self.directory / f"update-{version:09d}.gfdc", payload, mode=PRIVATE_FILE)
             for v in self.versions()[: -self.keep]:
                 (self.directory / f"update-{v:09d}.gfdc").unlink(missing_ok=True)
         else:

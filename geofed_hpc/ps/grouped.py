@@ -129,7 +129,7 @@ class GroupedCoordinator(Coordinator):
                 self.sessions.quiet()
             self.persistence.clear_journal()
             self._snapshot()
-            self._cond.notify_all()
+            self._publish()
 
     def repair_state(self, state: PSState, source: str) -> None:
         """Take a peer's model of this version in place of this PS's, which differs from the group majority's:
@@ -143,7 +143,7 @@ class GroupedCoordinator(Coordinator):
             self.model.downlink.residual = state.residual
             self.ledger.load_json(state.push_ids)
             self._snapshot()
-            self._cond.notify_all()
+            self._publish()
 
     def settled(self, reply: m.PushReply, header: m.PushHeader) -> m.PushReply:
         """A grouped PS answers a delta once the group applied its round (every peer knows its push id then), so

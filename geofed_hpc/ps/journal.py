@@ -11,12 +11,29 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-from geofed_hpc.ckpt.atomic import atomic_write_bytes, clean_temp_files, fsync_dir
+from geofed_hpc.ckpt.atomic import PRIVATE_FILE, atomic_write_bytes, clean_temp_files, fsync_dir, private_dirs
+from geofed_hpc.errors import ConfigError
 from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
+from geofed_hpc.ps.tokens import check_site_name
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import digest
+
+# The header fields of a journaled push and their types (what m.PushHeader holds; sha256 as hex).
+_HEADER: dict[str, type | tuple[type, ...]] = {
+    "session_id": str,
+    "base_version": int,
+    "local_steps": int,
+    "tokens": int,
+    "codec": str,
+    "total_bytes": int,
+    "sha256": str,
+    "push_id": str,
+    "init": bool,
+    "train_loss": (int, float),
+}
 
 
 @dataclass
@@ -47,15 +64,17 @@ class RoundJournal:
     their round (`drop_before`).
 
     `<name>.push` (the payload, moved from staging) and `<name>.json` (header, site, version) per delta in
-    `directory`. The JSON is written last and atomically: an entry without it, or whose payload does not match
-    the checksum it names, is incomplete and removed.
+    `directory`, mode 0600. The JSON is written last and atomically: a payload without it was never acknowledged
+    and is removed; an entry that cannot be read, whose header is malformed or whose payload does not match the
+    checksum it names is damaged: set aside in `set-aside/` with an error line, never removed.
 
     Lock: none; not thread-safe. Persistence calls it, under the coordinator's lock.
     """
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True)
+        self.aside = directory / "set-aside"
+        private_dirs(directory)
         clean_temp_files(directory, lambda target: target.endswith(".json"))
         # entry names sort in admission order: a clock reading, never below the newest entry's (clocks step back)
         stems = [p.stem.split("-")[0] for p in directory.glob("*.json")]
@@ -75,35 +94,60 @@ class RoundJournal:
                 raise
             shutil.copyfile(staged, target)  # ps.staging_dir on another file system
             sync_file(target)
+        os.chmod(target, PRIVATE_FILE)
         fsync_dir(self.directory)
         fields = asdict(header)
         fields["sha256"] = header.sha256.hex()
         meta = {"version": version, "site": site, "header": fields}
-        atomic_write_bytes(self.directory / f"{name}.json", json.dumps(meta).encode())
+        atomic_write_bytes(self.directory / f"{name}.json", json.dumps(meta).encode(), mode=PRIVATE_FILE)
         fault("ps.journal", header.push_id)
 
     def entries(self) -> list[Entry]:
-        """Every complete entry, oldest first; incomplete or damaged ones are removed with a warning."""
+        """Every complete entry, oldest first; damaged ones are set aside, each with an error line."""
         out: list[Entry] = []
         for meta_path in sorted(self.directory.glob("*.json")):
-            payload_path = meta_path.with_suffix(".push")
             try:
-                meta = json.loads(meta_path.read_text())
-                fields = dict(meta["header"])
-                fields["sha256"] = bytes.fromhex(fields["sha256"])
-                header = m.PushHeader(**fields)
-                payload = payload_path.read_bytes()
-                if len(payload) != header.total_bytes or digest(payload) != header.sha256:
-                    raise ValueError(f"{payload_path.name} does not match its checksum")
-                out.append(Entry(int(meta["version"]), str(meta["site"]), header, payload, meta_path.stem))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                logger.warning("round journal entry %s is damaged (%s); dropped", meta_path.name, exc)
-                self._remove(meta_path.stem)
+                out.append(self._read(meta_path))
+            except (OSError, ValueError) as exc:
+                where = self._move_aside(meta_path.stem)
+                logger.error(
+                    "round journal entry %s is damaged (%s): set aside as %s; its push is not replayed (a resend "
+                    "of it is applied as new)",
+                    meta_path,
+                    exc,
+                    where,
+                )
         complete = {p.stem for p in self.directory.glob("*.json")}
-        for orphan in self.directory.glob("*.push"):  # killed between the payload's move and its header
+        for orphan in self.directory.glob("*.push"):
+            # a payload without its header: the PS was killed between the payload's move and the header's write,
+            # before the push was acknowledged (the site sends it again), a normal crash artifact; no data lost
             if orphan.stem not in complete:
                 orphan.unlink(missing_ok=True)
         return out
+
+    def _read(self, meta_path: Path) -> Entry:
+        """One entry, checked: ValueError (or OSError) saying what is wrong with it."""
+        try:
+            meta = json.loads(meta_path.read_text())
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"not UTF-8 text: {exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not valid JSON: {exc}") from None
+        if not isinstance(meta, dict) or set(meta) != {"version", "site", "header"}:
+            raise ValueError("not a journal entry (an object of version, site and header expected)")
+        version, site, fields = meta["version"], meta["site"], meta["header"]
+        if not _is_int(version) or version < 0:
+            raise ValueError(f"field 'version' is {version!r}, not an int >= 0")
+        try:
+            check_site_name(site if isinstance(site, str) else "")
+        except ConfigError:
+            raise ValueError(f"field 'site' is {site!r}, not a site name") from None
+        header = _header(fields)
+        payload_path = meta_path.with_suffix(".push")
+        payload = payload_path.read_bytes()
+        if len(payload) != header.total_bytes or digest(payload) != header.sha256:
+            raise ValueError(f"{payload_path.name} does not match its checksum")
+        return Entry(version, site, header, payload, meta_path.stem)
 
     def drop(self, entry: Entry) -> None:
         self._remove(entry.name)
@@ -123,13 +167,16 @@ class RoundJournal:
 
     def set_aside(self, entry: Entry) -> Path:
         """Move an entry that cannot be replayed to set-aside/ (kept for the operator, never replayed)."""
-        aside = self.directory / "set-aside"
-        aside.mkdir(exist_ok=True)
+        return self._move_aside(entry.name)
+
+    def _move_aside(self, stem: str) -> Path:
+        private_dirs(self.aside)
         for suffix in (".push", ".json"):
             with contextlib.suppress(FileNotFoundError):
-                os.replace(self.directory / f"{entry.name}{suffix}", aside / f"{entry.name}{suffix}")
+                os.replace(self.directory / f"{stem}{suffix}", self.aside / f"{stem}{suffix}")
+        fsync_dir(self.aside)
         fsync_dir(self.directory)
-        return aside / f"{entry.name}.json"
+        return self.aside / f"{stem}.json"
 
     def clear(self) -> None:
         """A new model was seeded: no round from before it."""
@@ -141,3 +188,35 @@ class RoundJournal:
         for suffix in (".json", ".push"):
             with contextlib.suppress(OSError):
                 (self.directory / f"{stem}{suffix}").unlink()
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _header(fields: Any) -> m.PushHeader:
+    """A journaled push header, each field checked (ValueError naming the first that is not well-formed)."""
+    if not isinstance(fields, dict):
+        raise ValueError("field 'header' is not an object")
+    unknown = sorted(set(fields) - set(_HEADER))
+    if unknown:
+        raise ValueError(f"header field {unknown[0]!r} is unknown")
+    for name, kind in _HEADER.items():
+        if name not in fields:
+            if name in ("init", "train_loss"):  # they have defaults
+                continue
+            raise ValueError(f"header field {name!r} is missing")
+        value = fields[name]
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise ValueError(f"header field {name!r} is {value!r}, not {_kind(kind)}")
+    try:
+        sha256 = bytes.fromhex(fields["sha256"])
+    except ValueError:
+        sha256 = b""
+    if len(sha256) != 32:
+        raise ValueError(f"header field 'sha256' is {fields['sha256']!r}, not 64 hex digits")
+    return m.PushHeader(**{**fields, "sha256": sha256})
+
+
+def _kind(kind: type | tuple[type, ...]) -> str:
+    return "an int" if kind is int else "a string" if kind is str else "true or false" if kind is bool else "a number"

@@ -117,14 +117,15 @@ class GlobalModel:
 
     def restore(self, state: PSState, path: Path) -> None:
         """Adopt a snapshot's model (read from `path`), its momentum (when it used this outer optimizer) and
-        downlink residual; drop kept downlink updates newer than it."""
+        downlink residual (a tensor of either that does not fit what a delta carries now, after a config change, is
+        dropped with a warning: it would fail every round); drop kept downlink updates newer than it."""
         self.adopt(state.params, state.version)
         previous = state.settings.get("outer_optimizer")
         if previous == self.outer.kind:
-            self.outer.load_state(state.momentum)
+            self.outer.load_state(self._fitting(state.momentum, "momentum", path))
         elif state.momentum:
             logger.warning("snapshot used outer optimizer %s; its momentum is dropped", previous)
-        self.downlink.residual = state.residual
+        self.downlink.residual = self._fitting(state.residual, "downlink residual", path)
         dropped = self.downlink.truncate(state.version)
         logger.info(
             "restored global model version %d (%d tensors, %d sessions) from %s%s",
@@ -134,6 +135,21 @@ class GlobalModel:
             path,
             f"; dropped {dropped} downlink updates newer than it" if dropped else "",
         )
+
+    def _fitting(self, arrays: Params, what: str, path: Path) -> Params:
+        spec = self.delta_shapes()
+        for k, v in list(arrays.items()):
+            if spec.get(k) != tuple(v.shape):
+                logger.warning(
+                    "snapshot %s: the %s of %r has shape %s, a delta carries %s now: dropped",
+                    path,
+                    what,
+                    k,
+                    tuple(v.shape),
+                    spec.get(k, "no such tensor"),
+                )
+                del arrays[k]
+        return arrays
 
     def state(self) -> PSState:
         """What a snapshot holds of the model: version, params, momentum and downlink residual (not copied)."""

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
 from geofed_hpc.ckpt import CheckpointStore, load_tensors
+from geofed_hpc.ckpt.atomic import set_aside
 from geofed_hpc.errors import CheckpointError
 from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
@@ -20,6 +22,7 @@ from geofed_hpc.rpc import messages as m
 
 FORMAT = 1
 _GROUPS = ("param", "momentum", "residual")
+SET_ASIDE = "set-aside"  # <state_dir>/set-aside/: snapshots that could not be read, kept for the operator
 
 
 @dataclass
@@ -37,11 +40,13 @@ class PSState:
 
 
 class Snapshots:
-    """`global-{version}.gft` files in the state directory, written atomically; the newest two are kept.
-    Lock: none; Persistence calls it, under the coordinator's lock."""
+    """`global-{version}.gft` files in the state directory, written atomically, mode 0600; the newest two are kept.
+    One that cannot be read is never removed: set aside when an older one loads, and the PS refuses to start when
+    none does. Lock: none; Persistence calls it, under the coordinator's lock."""
 
     def __init__(self, directory: Path, keep: int = 2) -> None:
         self.store = CheckpointStore(directory, prefix="global", keep=keep)
+        self.aside = directory / SET_ASIDE
 
     def save(self, state: PSState) -> Path:
         tensors: dict[str, np.ndarray] = {}
@@ -59,29 +64,75 @@ class Snapshots:
         return self.store.save(state.version, tensors, meta)
 
     def load(self) -> tuple[PSState, Path] | None:
-        """The newest snapshot that loads cleanly (a torn or corrupt newer file is skipped), or None."""
-        loaded = self.store.load_latest()
-        if loaded is None:
-            return None
-        tensors, meta, path = loaded
-        if meta.get("format") != FORMAT or not isinstance(meta.get("version"), int):
-            raise CheckpointError(f"snapshot {path} is not a geofed PS snapshot (format {meta.get('format')!r})")
-        groups: dict[str, Params] = {g: {} for g in _GROUPS}
-        for name, arr in tensors.items():
-            group, _, key = name.partition("/")
-            if group in groups:
-                groups[group][key] = arr.astype(np.float32, copy=False)
-        state = PSState(
-            meta["version"],
-            groups["param"],
-            groups["momentum"],
-            groups["residual"],
-            list(meta.get("sessions", [])),
-            list(meta.get("push_ids", [])),
-            dict(meta.get("settings", {})),
-            dict(meta.get("strategy", {})),
-        )
-        return state, path
+        """The newest snapshot that loads and whose fields are well-formed (None: there is none). Newer ones that do
+        not are set aside with an error line each; when snapshots exist and none loads, CheckpointError naming each
+        and what is wrong, and nothing is moved."""
+        loaded, unreadable = self.store.load_newest(_state)
+        if loaded is None and unreadable:
+            what = "; ".join(f"{path.name} {why}" for path, why in unreadable)
+            raise CheckpointError(
+                f"none of the {len(unreadable)} snapshot(s) in {self.store.directory} can be read ({what}); the PS "
+                f"does not start, so that nothing is lost: restore a snapshot from a copy, or move them out of "
+                f"{self.store.directory} to start with no model (its journal is then set aside, not replayed)"
+            )
+        for path, why in unreadable:
+            where = set_aside(path, self.aside)
+            logger.error("snapshot %s %s; set aside as %s, the PS starts from an older one", path, why, where)
+        return loaded
+
+
+def _state(path: Path, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> PSState:
+    """A snapshot's state once its meta fields are checked (ValueError naming the first that is not well-formed)."""
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"is not a geofed PS snapshot (meta field 'format' is {meta.get('format')!r}, not {FORMAT})")
+    version = meta.get("version")
+    if not _count(version):
+        raise ValueError(f"has a malformed meta field 'version' ({version!r}, not an int >= 0)")
+    sessions = _field(meta, "sessions", list)
+    for i, row in enumerate(sessions):
+        if not isinstance(row, dict) or not isinstance(row.get("id"), str):
+            raise ValueError(f"has a malformed meta field 'sessions' (row {i} is not an object with a string 'id')")
+    push_ids = _field(meta, "push_ids", list)
+    for i, row in enumerate(push_ids):
+        ok = isinstance(row, list) and len(row) == 5 and isinstance(row[0], str) and isinstance(row[1], bool)
+        if not (ok and _count(row[2]) and isinstance(row[3], str) and _count(row[4])):
+            shape = "[push id, accepted, version, reason, staleness]"
+            raise ValueError(f"has a malformed meta field 'push_ids' (row {i} is not {shape})")
+    settings = _field(meta, "settings", dict)
+    if not all(isinstance(v, str) for v in settings.values()):
+        raise ValueError("has a malformed meta field 'settings' (an object of strings expected)")
+    strategy = _field(meta, "strategy", dict)
+    for key, values in strategy.items():
+        if not isinstance(values, list) or not all(_number(v) for v in values):
+            raise ValueError(f"has a malformed meta field 'strategy' ({key!r} is not a list of finite numbers)")
+    groups: dict[str, Params] = {g: {} for g in _GROUPS}
+    for name, arr in tensors.items():
+        group, _, key = name.partition("/")
+        if group in groups:
+            if arr.dtype.kind != "f":
+                raise ValueError(f"has tensor {name!r} of dtype {arr.dtype}, not a float")
+            groups[group][key] = arr.astype(np.float32, copy=False)
+    if not groups["param"]:
+        raise ValueError("holds no model tensors (param/*)")
+    return PSState(
+        version, groups["param"], groups["momentum"], groups["residual"], sessions, push_ids, settings, strategy
+    )
+
+
+def _field(meta: dict[str, Any], name: str, kind: type) -> Any:
+    """A meta field of type `kind` (empty when a snapshot of an older version has none)."""
+    value = meta.get(name, kind())
+    if not isinstance(value, kind):
+        raise ValueError(f"has a malformed meta field {name!r} ({type(value).__name__}, not a {kind.__name__})")
+    return value
+
+
+def _count(x: Any) -> TypeGuard[int]:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 class Persistence:
@@ -109,10 +160,12 @@ class Persistence:
         return self._journal is not None
 
     def load(self) -> tuple[PSState, Path] | None:
-        """The newest snapshot that loads (None: none, or no state directory); CheckpointError when it holds a
-        model of another paradigm than `stamp` says."""
+        """The newest snapshot that loads (None: none, or no state directory); CheckpointError when snapshots exist
+        and none loads, or when it holds a model of another paradigm than `stamp` says. Without a snapshot, the
+        journal's entries (a model's that is not here) are set aside."""
         loaded = self._snapshots.load() if self._snapshots is not None else None
         if loaded is None:
+            self._set_aside_all()
             return None
         state, path = loaded
         theirs, ours = state.settings.get("paradigm", "identity"), self.stamp.get("paradigm", "identity")
@@ -155,16 +208,19 @@ class Persistence:
     ) -> int:
         """After a restart: the journaled deltas since the snapshot, in admission order, folded again (`fold`) into
         the rounds they joined, each round closed (`close`) where the next one began, so the PS reaches the
-        versions it had made. `version()`: the model's now (None: no model). Entries the snapshot holds, of another
-        model, or of pushes already `known` are dropped; one that cannot be replayed (`fold` fails: a changed
-        config, say) is set aside with a message, and the PS starts. How many were folded."""
+        versions it had made. `version()`: the model's now (None: no model). Entries the snapshot holds, or of pushes
+        already `known`, are dropped; one with no model to fold into, or that cannot be replayed (`fold` fails: a
+        changed config, say), is set aside with a message, and the PS starts. How many were folded."""
         if self._journal is None:
             return 0
         start, replayed = version(), 0
         for entry in self._journal.entries():
             now = version()
-            if now is None or start is None or entry.version < start or known(entry.header.push_id):
-                self._journal.drop(entry)  # its round is in the snapshot, or there is no model it belongs to
+            if now is None or start is None:
+                self._set_aside(entry, "there is no model to fold it into")
+                continue
+            if entry.version < start or known(entry.header.push_id):
+                self._journal.drop(entry)  # its round is in the snapshot, or its push is remembered there
                 continue
             if entry.version == now + 1:
                 close()  # the round open at `now` closed before the restart: this entry joined the next one
@@ -183,6 +239,21 @@ class Persistence:
                 "journal replayed: %d delta(s) since snapshot version %s; now at version %s", replayed, start, version()
             )
         return replayed
+
+    def _set_aside_all(self) -> None:
+        """No snapshot: the journaled deltas belong to a model that is not here (moved away?); kept, never replayed."""
+        if self._journal is None:
+            return
+        entries = self._journal.entries()
+        for entry in entries:
+            self._journal.set_aside(entry)
+        if entries:
+            logger.error(
+                "the round journal holds %d delta(s) but there is no snapshot to fold them into: set aside in %s; "
+                "the PS starts with no model",
+                len(entries),
+                self._journal.aside,
+            )
 
     def _set_aside(self, entry: Entry, why: str) -> None:
         assert self._journal is not None

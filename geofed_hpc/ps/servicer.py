@@ -2,30 +2,41 @@
 
 from __future__ import annotations
 
+import hmac
+import itertools
 import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from geofed_hpc.config import CodecConfig, PSConfig
-from geofed_hpc.errors import GeofedError, MismatchError, ProtocolError, UnavailableError
+from geofed_hpc.errors import AuthError, ConfigError, GeofedError, MismatchError, ProtocolError, UnavailableError
 from geofed_hpc.faults import fault
+from geofed_hpc.log import escape
 from geofed_hpc.paradigms.exchange import Exchange
 from geofed_hpc.ps.aggregate import Delta
 from geofed_hpc.ps.coordinator import Coordinator
+from geofed_hpc.ps.gate import Gate
 from geofed_hpc.ps.grouped import GroupedCoordinator
 from geofed_hpc.ps.ingest import Ingest
 from geofed_hpc.ps.journal import sync_file
 from geofed_hpc.ps.sessions import Session
 from geofed_hpc.ps.staging import Staging, decode_delta, decode_push
+from geofed_hpc.ps.statedir import admin_token
 from geofed_hpc.ps.strategy import Strategy
+from geofed_hpc.ps.tokens import check_site_name
 from geofed_hpc.rpc import messages as m
+from geofed_hpc.rpc.guard import Caller
 from geofed_hpc.rpc.stream import first_header, to_chunks
+
+# A call waiting for a push or download slot looks this often whether it was cancelled meanwhile.
+SLOT_POLL = timedelta(milliseconds=200)
 
 if TYPE_CHECKING:  # the server part imports torch: only a PS of a split paradigm loads it (ps/app.py)
     from geofed_hpc.ps.split.service import SplitService
@@ -54,6 +65,7 @@ class ParameterServerLogic:
         clock: Callable[[], float] = time.monotonic,
         exchange: Exchange | None = None,
         codec: CodecConfig | None = None,
+        admin: str = "",
     ) -> None:
         self.cfg = cfg
         state = Path(cfg.state_dir).expanduser() if cfg.state_dir else None
@@ -69,42 +81,60 @@ class ParameterServerLogic:
             self.staging.close()
             raise
         self.split_part: SplitService | None = None  # fsl_sage / split: the server part (ps/split/), attached
+        if state is not None and not admin:  # the operator's credential, kept in the state directory (0600)
+            admin = admin_token(state, create=True)
+        self.gate = Gate(cfg, self.core.sessions, admin)  # who may call, and how much each may hold
 
     # ---------------------------------------------------------------- RPCs
-    def join(self, request: m.JoinRequest) -> m.JoinReply:
+    # `caller`: who calls over gRPC (rpc/server.py, after the gate admitted the call); None in process (tests).
+    def join(self, request: m.JoinRequest, caller: Caller | None = None) -> m.JoinReply:
+        if caller is not None and not hmac.compare_digest(caller.credential.encode(), request.token.encode()):
+            raise AuthError("Join: the token in the request is not the one the call carries")
+        try:
+            check_site_name(request.site)
+        except ConfigError as exc:
+            raise ProtocolError(str(exc)) from None
+        self.gate.check_site(caller, request.site)
         theirs, ours = request.paradigm or "identity", self.core.settings.paradigm
         if theirs != ours:
             raise MismatchError(
-                f"site {request.site} is configured with paradigm {theirs}, this parameter server with {ours}: "
-                "give the site the PS's paradigm settings (or restart the PS with the site's)"
+                f"site {request.site} is configured with paradigm {escape(theirs, 200)}, this parameter server "
+                f"with {ours}: give the site the PS's paradigm settings (or restart the PS with the site's)"
             )
         return self.core.join(request)
 
-    def heartbeat(self, request: m.HeartbeatRequest) -> m.HeartbeatReply:
+    def heartbeat(self, request: m.HeartbeatRequest, caller: Caller | None = None) -> m.HeartbeatReply:
+        _same_session(request.session_id, caller)
         return self.core.heartbeat(request)
 
-    def status(self, request: m.StatusRequest) -> m.StatusReply:
-        return self.core.status()
+    def status(self, request: m.StatusRequest, caller: Caller | None = None) -> m.StatusReply:
+        reply = self.core.status(handles=caller is None or caller.principal.kind == "admin")
+        reply.streams = self.gate.streams
+        return reply
 
-    def stream_model(self, request: m.ModelRequest) -> Iterator[m.Chunk]:
+    def stream_model(self, request: m.ModelRequest, caller: Caller | None = None) -> Iterator[m.Chunk]:
+        _same_session(request.session_id, caller)
         fault("ps.stream", str(request.min_version))
         wait = request.wait_s if math.isfinite(request.wait_s) else 0.0  # a long-poll never outlives rpc_timeout
         deadline = time.monotonic() + min(max(0.0, wait), self.cfg.rpc_timeout.total_seconds())
-        header, payload = self.core.wait_model(request, deadline)
-        with self._slot(self._sending, "downloads"):
+        header, payload = self.core.wait_model(request, deadline, caller)
+        with self._slot(self._sending, "downloads", caller):
             yield from to_chunks(header, payload, self.cfg.chunk_bytes)
 
-    def push_delta(self, chunks: Iterable[m.Chunk]) -> m.PushReply:
+    def push_delta(self, chunks: Iterable[m.Chunk], caller: Caller | None = None) -> m.PushReply:
         it = iter(chunks)
-        with self._slot(self._receiving, "pushes"):  # a waiting push is held back by flow control, unread
-            header, first = first_header(it, self.cfg.max_delta_bytes)
-            if not isinstance(header, m.PushHeader):
-                raise ProtocolError("a push must start with a push header, not a model header")
-            session, replay = self.core.begin_push(header)
-            if replay is not None:
-                return replay
-            scratch = None if header.init else self.ingest.take()
-            try:
+        header, first = first_header(it, self.cfg.max_delta_bytes)
+        if not isinstance(header, m.PushHeader):
+            raise ProtocolError("a push must start with a push header, not a model header")
+        _same_session(header.session_id, caller)
+        session, replay = self.core.begin_push(header)
+        if replay is not None:
+            return replay
+        header = replace(header, session_id=session.handle)  # from here on the session is named, never its secret
+        scratch = None
+        try:
+            with self._slot(self._receiving, "pushes", caller):  # a waiting push is held back by flow control, unread
+                scratch = None if header.init else self.ingest.take()
                 if scratch is not None:
                     reply = self.ingest.receive(
                         scratch,
@@ -117,9 +147,9 @@ class ParameterServerLogic:
                     )
                 else:
                     path = self.staging.receive(header, first, it)
-            except BaseException as exc:
-                self.core.end_push(session, header.push_id, refused=isinstance(exc, GeofedError))
-                raise
+        except BaseException as exc:
+            self.core.end_push(session, header.push_id, refused=isinstance(exc, GeofedError))
+            raise
         if scratch is not None:
             self.core.end_push(session, header.push_id, refused=False)
             return self.core.settled(reply, header)
@@ -134,9 +164,14 @@ class ParameterServerLogic:
         return self.core.settled(reply, header)
 
     @contextmanager
-    def _slot(self, limit: threading.BoundedSemaphore, what: str) -> Iterator[None]:
-        if not limit.acquire(timeout=self.cfg.rpc_timeout.total_seconds()):
-            raise UnavailableError(f"the parameter server is busy with other {what}; retry later")
+    def _slot(self, limit: threading.BoundedSemaphore, what: str, caller: Caller | None) -> Iterator[None]:
+        """Hold one of `limit`'s slots, waiting up to ps.rpc_timeout; a call that ends meanwhile stops waiting."""
+        deadline = time.monotonic() + self.cfg.rpc_timeout.total_seconds()
+        while not limit.acquire(timeout=max(0.0, min(SLOT_POLL.total_seconds(), deadline - time.monotonic()))):
+            if caller is not None and caller.ended:
+                raise UnavailableError(f"the call ended while it waited for one of the PS's {what} slots")
+            if time.monotonic() >= deadline:
+                raise UnavailableError(f"the parameter server is busy with other {what}; retry later")
         try:
             yield
         finally:
@@ -164,10 +199,15 @@ class ParameterServerLogic:
         return self.core.admit(session, header, delta, nbytes, staged)
 
     # ---------------------------------------------------------------- split learning (ps/split/)
-    def split(self, chunks: Iterable[m.Chunk]) -> Iterator[m.Chunk]:
-        return self._split_part().split(chunks)
+    def split(self, chunks: Iterable[m.Chunk], caller: Caller | None = None) -> Iterator[m.Chunk]:
+        it = iter(chunks)
+        first = next(it, None)
+        if first is not None and first.split is not None:
+            _same_session(first.split.session_id, caller)
+        return self._split_part().split(itertools.chain([first] if first is not None else [], it))
 
-    def fetch_aux(self, request: m.AuxRequest) -> Iterator[m.Chunk]:
+    def fetch_aux(self, request: m.AuxRequest, caller: Caller | None = None) -> Iterator[m.Chunk]:
+        _same_session(request.session_id, caller)
         return self._split_part().fetch_aux(request)
 
     def _split_part(self) -> SplitService:
@@ -227,3 +267,10 @@ class ParameterServerLogic:
     def ps_metrics(self) -> dict[str, float | int]:
         """The ps/* metric values now."""
         return self.core.ps_metrics()
+
+
+def _same_session(credential: str, caller: Caller | None) -> None:
+    """Over gRPC, the session a request names must be the one its call proved (the gate checked the call's
+    credential before the call started; the coordinator checks the request's when it uses it)."""
+    if caller is not None and not hmac.compare_digest(caller.credential.encode(), credential.encode()):
+        raise AuthError("the session named in the request is not the one the call carries")

@@ -9,14 +9,17 @@ import tempfile
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
 from geofed_hpc import codec
+from geofed_hpc.ckpt.atomic import PRIVATE_DIR, PRIVATE_FILE
 from geofed_hpc.codec.sparse import SparseTensor
 from geofed_hpc.errors import CodecError, ProtocolError
 from geofed_hpc.log import logger
 from geofed_hpc.paradigms.exchange import Params
+from geofed_hpc.ps.statedir import check_state_dir
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import Header, drain
 
@@ -46,8 +49,9 @@ def _alive(pid: int) -> bool:
 
 
 class Staging:
-    """One directory of short-lived files; leftovers of a crash are removed at start. Without a directory the
-    PS owns a private temp dir for its lifetime (removed by `close`, or by the next PS when this one is killed); a
+    """One directory of short-lived files, 0700 with files 0600 (a directory other users may write in is refused,
+    as the state directory is); leftovers of a crash are removed at start. Without a directory the PS owns a
+    private temp dir for its lifetime (removed by `close`, or by the next PS when this one is killed); a
     directory that disappears while the PS runs (a /tmp cleaner) is made again by the next file staged.
 
     Receiving a push writes chunk by chunk to a file (memory stays one chunk per push, whatever the number
@@ -62,8 +66,7 @@ class Staging:
             remove_orphans(Path(tempfile.gettempdir()))
             self.directory = Path(tempfile.mkdtemp(prefix=f"{_PRIVATE}{os.getpid()}-"))
         else:
-            self.directory = Path(directory).expanduser()  # type: ignore[arg-type]
-            self.directory.mkdir(parents=True, exist_ok=True)
+            self.directory = check_state_dir(Path(directory), "ps.staging_dir")  # type: ignore[arg-type]
             self._clear()
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -80,14 +83,15 @@ class Staging:
         with self._lock:
             if not self.directory.is_dir():
                 logger.warning("staging area %s disappeared (a temp cleaner?); making it again", self.directory)
-                self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self.directory.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+                os.chmod(self.directory, PRIVATE_DIR)  # mkdir's mode passes through the umask
             return self.directory / f"{kind}-{os.getpid()}-{next(self._ids):08d}"
 
     def receive(self, header: Header, first: m.Chunk, rest: Iterable[m.Chunk]) -> Path:
         """Stream a payload into a new file; raise (and remove it) unless length and sha256 verify."""
         path = self.new_path("push")
         try:
-            with open(path, "xb") as f:
+            with _create(path) as f:
                 drain(header, first, rest, f.write)
         except BaseException:
             path.unlink(missing_ok=True)
@@ -98,7 +102,7 @@ class Staging:
         """Write float32 arrays back to back, in `order`, to a new file (read back slice by slice); a sparse
         tensor is densified for its write alone."""
         path = self.new_path("spool")
-        with open(path, "xb") as f:
+        with _create(path) as f:
             for name in order:
                 v = arrays[name]
                 dense = v.dense() if isinstance(v, SparseTensor) else v
@@ -113,6 +117,18 @@ class Staging:
         else:
             self._clear()
         logger.debug("staging area %s cleared", self.directory)
+
+
+def _create(path: Path) -> BinaryIO:
+    """A new file (never an existing one, nor through a link) for writing, mode 0600 whatever the umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE)
+    f = os.fdopen(fd, "wb")
+    try:
+        os.fchmod(fd, PRIVATE_FILE)
+    except BaseException:
+        f.close()
+        raise
+    return f
 
 
 def read_rows(fds: list[int], offset: int, out: np.ndarray) -> None:

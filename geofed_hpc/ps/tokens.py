@@ -7,23 +7,29 @@ import fcntl
 import hashlib
 import hmac
 import json
+import math
 import os
 import re
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from geofed_hpc.ckpt.atomic import private_dirs
 from geofed_hpc.ckpt.secret import write_secret
 from geofed_hpc.errors import AuthError, CheckpointError, ConfigError
-from geofed_hpc.log import logger
+from geofed_hpc.log import logger, quote
+from geofed_hpc.ps.statedir import require_tokens, tokens_required
 
 TOKENS_FILE = "tokens.json"
 FORMAT = 1
 PREFIX = "gft"
 _SITE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_ID = re.compile(r"[0-9a-f]{1,32}")
+_HASH = re.compile(r"[0-9a-f]{64}")
 
 
 def token_hash(token: str) -> str:
@@ -42,7 +48,7 @@ def tokens_path(state_dir: str) -> Path:
 
 def check_site_name(site: str, field: str = "site") -> str:
     if not _SITE.fullmatch(site):
-        raise ConfigError(f"{field}: {site!r} is not a site name (1-64 letters, digits, '.', '_', '-')")
+        raise ConfigError(f"{field}: {quote(site)} is not a site name (1-64 letters, digits, '.', '_', '-')")
     return site
 
 
@@ -66,6 +72,37 @@ class TokenRecord:
         """A token for `osc` admits the site `osc` and its numbered jobs `osc-0`, `osc-1`, ..."""
         return site == self.site or bool(re.fullmatch(re.escape(self.site) + r"-\d+", site))
 
+    @classmethod
+    def from_row(cls, row: object, where: str) -> TokenRecord:
+        """A record from its JSON object, each field checked; CheckpointError starting with `where` naming the
+        first field that is not well-formed."""
+        if not isinstance(row, dict):
+            raise CheckpointError(f"{where} is not an object")
+        if isinstance(row.get("id"), str) and _ID.fullmatch(row["id"]):
+            where = f"{where} (id {row['id']})"
+        unknown = sorted(set(row) - {"id", "site", "hash", "created", "expires", "revoked"})
+        if unknown:
+            raise CheckpointError(f"{where}: field {quote(unknown[0])} is unknown")
+
+        def bad(name: str, expected: str) -> CheckpointError:
+            value = row.get(name)
+            shown = "missing" if name not in row else quote(value) if isinstance(value, str) else repr(value)[:64]
+            return CheckpointError(f"{where}: field {name!r} is {shown}, not {expected}")
+
+        if not isinstance(row.get("id"), str) or not _ID.fullmatch(row["id"]):
+            raise bad("id", "a short hex string")
+        if not isinstance(row.get("site"), str) or not _SITE.fullmatch(row["site"]):
+            raise bad("site", "a site name (1-64 letters, digits, '.', '_', '-')")
+        if not isinstance(row.get("hash"), str) or not _HASH.fullmatch(row["hash"]):
+            raise bad("hash", "a SHA-256 in 64 lowercase hex digits")
+        times: dict[str, float] = {}
+        for name in ("created", "expires", "revoked"):
+            value = row.get(name, 0.0 if name != "created" else None)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise bad(name, "a time in Unix seconds (a number >= 0, 0 for never)")
+            times[name] = float(value)
+        return cls(row["id"], row["site"], row["hash"], times["created"], times["expires"], times["revoked"])
+
 
 def _records(path: Path) -> list[TokenRecord]:
     try:
@@ -78,10 +115,16 @@ def _records(path: Path) -> list[TokenRecord]:
         ) from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT or not isinstance(raw.get("tokens"), list):
         raise CheckpointError(f"{path}: not a geofed token file (format {FORMAT} expected)")
-    try:
-        return [TokenRecord(**row) for row in raw["tokens"]]
-    except TypeError as exc:
-        raise CheckpointError(f"{path}: malformed token record ({exc})") from None
+    records: dict[str, TokenRecord] = {}
+    for i, row in enumerate(raw["tokens"]):
+        try:
+            record = TokenRecord.from_row(row, f"{path}: token record {i}")
+            if record.id in records:
+                raise CheckpointError(f"{path}: token record {i} (id {record.id}): this id is taken by another record")
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc}; fix that record, or restore the file from a copy") from None
+        records[record.id] = record
+    return list(records.values())
 
 
 def canonical(records: Iterable[TokenRecord]) -> bytes:
@@ -92,13 +135,17 @@ def canonical(records: Iterable[TokenRecord]) -> bytes:
 def from_canonical(data: bytes, source: str) -> list[TokenRecord]:
     """What `canonical` wrote; CheckpointError naming `source` when it is not that."""
     try:
-        return [TokenRecord(**row) for row in json.loads(data)]
-    except (ValueError, TypeError) as exc:
+        rows = json.loads(data)
+    except ValueError as exc:
         raise CheckpointError(f"{source}: malformed token records ({exc})") from None
+    if not isinstance(rows, list):
+        raise CheckpointError(f"{source}: malformed token records (not a list)")
+    return [TokenRecord.from_row(row, f"{source}: token record {i}") for i, row in enumerate(rows)]
 
 
 class TokenFile:
-    """The token records of one PS; each change is a locked read-modify-write, replaced atomically, mode 0600.
+    """The token records of one PS; each change is a locked read-modify-write, replaced atomically, mode 0600. Once
+    it holds a record, the state directory records that Join needs a token (statedir.require_tokens).
 
     Lock: an exclusive flock on a lock file beside it (`_locked`), so `token issue` and `token revoke` may run
     beside a running PS (and beside its PS group's merges)."""
@@ -112,7 +159,7 @@ class TokenFile:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[list[TokenRecord]]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dirs(self.path.parent)
         fd = os.open(self.path.with_name(f".{self.path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -120,6 +167,8 @@ class TokenFile:
             before = canonical(records)
             yield records
             if canonical(records) != before:  # rewritten only when a record changed
+                if records:  # Join needs a token from now on, even if this file goes: recorded before it is written
+                    require_tokens(self.path.parent)
                 write_secret(self.path, {"format": FORMAT, "tokens": [asdict(r) for r in records]})
         finally:
             os.close(fd)
@@ -191,7 +240,8 @@ class TokenVerifier:
     """Checks Join tokens for the running PS: `ps.enroll_token` (one for all sites) and the issued tokens of the
     token file, which is read again whenever it changes on disk (issue and revoke need no restart).
 
-    Lock: none; not thread-safe. It is called through the SessionTable, under the coordinator's lock."""
+    Lock: its own `_lock` (re-entrant) around every read and change of what it holds: the server's gate asks it
+    before a call starts, the session table under the coordinator's lock."""
 
     def __init__(self, path: Path | None, shared: str = "", clock: Callable[[], float] = time.time) -> None:
         self.path = path
@@ -201,9 +251,16 @@ class TokenVerifier:
         self._by_id: dict[str, TokenRecord] = {}
         self._had_file = False
         self.readable = True  # False while the token file, changed on disk, cannot be read (the last read holds)
+        self._lock = threading.RLock()
+        # the state directory's record that tokens are required (a token was issued): a deleted file changes nothing
+        self._recorded = tokens_required(path.parent) if path is not None else False
         self._refresh(strict=True)
 
     def _refresh(self, strict: bool = False) -> None:
+        with self._lock:
+            self._read(strict)
+
+    def _read(self, strict: bool) -> None:
         if self.path is None:
             return
         try:
@@ -231,32 +288,54 @@ class TokenVerifier:
     def records(self) -> list[TokenRecord] | None:
         """The issued tokens' records as last read (read again when the file changed); None without a token file,
         or while it cannot be read."""
-        self._refresh()
-        return list(self._by_id.values()) if self.path is not None and self.readable else None
+        with self._lock:
+            self._refresh()
+            return list(self._by_id.values()) if self.path is not None and self.readable else None
 
     @property
     def required(self) -> bool:
-        """Whether Join needs a token (once a token file has existed it stays required, even if it is removed)."""
-        self._refresh()
-        return bool(self._shared) or self._had_file
+        """Whether Join needs a token: with ps.enroll_token, and once a token was issued (recorded in the state
+        directory: it stays required even if the token file is removed)."""
+        with self._lock:
+            self._refresh()
+            return bool(self._shared) or self._had_file or self._recorded
+
+    def known(self, token: str) -> bool:
+        """`token` is ps.enroll_token or an issued token (valid or not)."""
+        with self._lock:
+            self._refresh()
+            if self._shared and hmac.compare_digest(self._shared, token_hash(token)):
+                return True
+            parts = token.split("_", 2)
+            record = self._by_id.get(parts[1]) if len(parts) == 3 and parts[0] == PREFIX else None
+            return record is not None and hmac.compare_digest(record.hash, token_hash(token))
+
+    def identify(self, token: str, who: str = "this caller") -> TokenRecord | None:
+        """The valid issued token `token` is (None: it is ps.enroll_token, or no token is required); AuthError when it
+        is none of them, or expired or revoked. `who` names the caller in the error."""
+        with self._lock:
+            self._refresh()
+            if not self.required:
+                return None
+            if self._shared and hmac.compare_digest(self._shared, token_hash(token)):
+                return None
+            parts = token.split("_", 2)
+            record = self._by_id.get(parts[1]) if len(parts) == 3 and parts[0] == PREFIX else None
+            if record is None or not hmac.compare_digest(record.hash, token_hash(token)):
+                raise AuthError(f"{who}: enrollment token refused (unknown or wrong token; check site.token)")
+            state = record.state(self._clock())
+            if state != "valid":
+                raise AuthError(
+                    f"{who}: enrollment token {record.id} is {state}: "
+                    f"issue a new one with `geofed-hpc token issue site={record.site}`"
+                )
+            return record
 
     def check(self, site: str, token: str) -> str:
         """The id of the token that admits `site` ("" for ps.enroll_token or an open PS); AuthError otherwise."""
-        self._refresh()
-        if not self.required:
+        record = self.identify(token, f"site {site!r}")
+        if record is None:
             return ""
-        if self._shared and hmac.compare_digest(self._shared, token_hash(token)):
-            return ""
-        parts = token.split("_", 2)
-        record = self._by_id.get(parts[1]) if len(parts) == 3 and parts[0] == PREFIX else None
-        if record is None or not hmac.compare_digest(record.hash, token_hash(token)):
-            raise AuthError(f"site {site!r}: enrollment token refused (unknown or wrong token; check site.token)")
-        state = record.state(self._clock())
-        if state != "valid":
-            raise AuthError(
-                f"site {site!r}: enrollment token {record.id} is {state}: "
-                f"issue a new one with `geofed-hpc token issue site={record.site}`"
-            )
         if not record.admits(site):
             raise AuthError(f"site {site!r}: enrollment token {record.id} is for site {record.site!r}, not this one")
         return record.id
@@ -265,6 +344,7 @@ class TokenVerifier:
         """Whether the token a session enrolled with has been revoked since (its sessions end)."""
         if not token_id:
             return False
-        self._refresh()
-        record = self._by_id.get(token_id)
-        return record is None or bool(record.revoked)
+        with self._lock:
+            self._refresh()
+            record = self._by_id.get(token_id)
+            return record is None or bool(record.revoked)

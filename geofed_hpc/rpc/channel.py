@@ -19,6 +19,12 @@ from geofed_hpc.rpc.tls import check_key_pair
 CLIENT_KEEPALIVE_MS = 30_000
 SERVER_MIN_PING_INTERVAL_MS = 10_000
 SERVER_KEEPALIVE_MS = 60_000
+# What one connection may hold on the PS: streams at once (a site needs a handful: a push, a pull, a heartbeat, a
+# split upload), how long its TLS handshake may take, and how long it may stay open with no call at all (a site's
+# heartbeats keep its own busy; gRPC redials transparently when one was closed).
+SERVER_MAX_STREAMS_PER_CONNECTION = 32
+SERVER_HANDSHAKE_TIMEOUT_MS = 20_000
+SERVER_MAX_IDLE_MS = 300_000
 # After an outage gRPC redials with its own backoff (by default up to 120 s): cap it, so a PS that is back
 # is found within seconds by the retries in rpc/client.py.
 MAX_RECONNECT_BACKOFF_MS = 5_000
@@ -49,6 +55,9 @@ def server_options(cfg: PSConfig) -> list[tuple[str, Any]]:
         ("grpc.keepalive_time_ms", SERVER_KEEPALIVE_MS),
         ("grpc.keepalive_timeout_ms", 20_000),
         ("grpc.so_reuseport", 0),  # a port already in use must fail, not be shared silently
+        ("grpc.max_concurrent_streams", SERVER_MAX_STREAMS_PER_CONNECTION),
+        ("grpc.server_handshake_timeout_ms", SERVER_HANDSHAKE_TIMEOUT_MS),
+        ("grpc.max_connection_idle_ms", SERVER_MAX_IDLE_MS),
         *_window(cfg),
     ]
 

@@ -17,7 +17,8 @@ from geofed_hpc.log import logger
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc import serde
 from geofed_hpc.rpc.channel import channel_credentials, client_options
-from geofed_hpc.rpc.retry import Backoff
+from geofed_hpc.rpc.guard import RETRY_PUSHBACK_KEY, bearer
+from geofed_hpc.rpc.retry import MAX_WAIT, Backoff
 from geofed_hpc.rpc.stream import collect, digest, to_chunks
 from geofed_hpc.rpc.tls import diagnose
 
@@ -168,10 +169,14 @@ class PSClient:
                     if self.address != dialled and self.keep_retrying():  # failed over: the next PS, at once
                         backoff.restart()
                         continue
-                wait = backoff.next_wait() if code in _RETRYABLE and self.keep_retrying() else None
+                hint = _retry_hint(exc)  # a limit of the PS that says when to come back is waited out too
+                retryable = code in _RETRYABLE or hint is not None
+                wait = backoff.next_wait() if retryable and self.keep_retrying() else None
+                if wait is not None and hint is not None:
+                    wait = max(wait, min(hint, MAX_WAIT.total_seconds()))
                 if wait is None:
                     error = self._error(name, exc)
-                    if code in _RETRYABLE and backoff.attempts > 1:
+                    if retryable and backoff.attempts > 1:
                         error = UnavailableError(f"{error} ({backoff.attempts} attempts in {backoff.elapsed:.0f}s)")
                     raise error from None
                 logger.warning(
@@ -191,7 +196,10 @@ class PSClient:
     def join(self, request: m.JoinRequest) -> m.JoinReply:
         """Join (after `connect`, which waits for the PS): retried briefly, so a TLS or proxy mistake shows now."""
         try:
-            return self._call("Join", lambda: self._calls["Join"](request, timeout=self._timeout()), QUICK_BUDGET)
+            join = self._calls["Join"]
+            return self._call(
+                "Join", lambda: join(request, timeout=self._timeout(), metadata=bearer(request.token)), QUICK_BUDGET
+            )
         except UnavailableError as exc:
             why = self._diagnosis()
             if why:
@@ -205,11 +213,19 @@ class PSClient:
         self, request: m.HeartbeatRequest, budget: timedelta = QUICK_BUDGET, timeout: timedelta | None = None
     ) -> m.HeartbeatReply:
         seconds = timeout.total_seconds() if timeout else self._quick()  # the channel of the moment (failover)
-        return self._call("Heartbeat", lambda: self._calls["Heartbeat"](request, timeout=seconds), budget)
-
-    def status(self) -> m.StatusReply:
+        auth = bearer(request.session_id)
         return self._call(
-            "Status", lambda: self._calls["Status"](m.StatusRequest(), timeout=self._quick()), QUICK_BUDGET
+            "Heartbeat", lambda: self._calls["Heartbeat"](request, timeout=seconds, metadata=auth), budget
+        )
+
+    def status(self, credential: str = "") -> m.StatusReply:
+        """The federation as the PS shows it. `credential`: the operator's admin token, a site's enrollment token
+        or a session's (a PS that requires tokens answers nobody else)."""
+        auth = bearer(credential)
+        return self._call(
+            "Status",
+            lambda: self._calls["Status"](m.StatusRequest(), timeout=self._quick(), metadata=auth),
+            QUICK_BUDGET,
         )
 
     def health(self, service: str = serde.SERVICE) -> str:
@@ -247,7 +263,7 @@ class PSClient:
                         first.append(time.monotonic())
                     yield chunk
 
-            stream = timed(self._calls["StreamModel"](request, timeout=timeout))
+            stream = timed(self._calls["StreamModel"](request, timeout=timeout, metadata=bearer(session_id)))
             header, payload = collect(stream, self.cfg.max_delta_bytes)
             self.last_pull_wait_s = (first[0] if first else time.monotonic()) - started
             assert isinstance(header, m.ModelHeader)
@@ -264,7 +280,9 @@ class PSClient:
 
         def push() -> m.PushReply:
             return self._calls["PushDelta"](
-                sent(to_chunks(header, payload, self.cfg.chunk_bytes)), timeout=self._timeout()
+                sent(to_chunks(header, payload, self.cfg.chunk_bytes)),
+                timeout=self._timeout(),
+                metadata=bearer(header.session_id),
             )
 
         def sent(chunks: Iterator[m.Chunk]) -> Iterator[m.Chunk]:
@@ -284,7 +302,8 @@ class PSClient:
         header.sha256 = digest(payload)
 
         def call() -> tuple[m.SplitHeader, bytes]:
-            stream = self._calls["Split"](to_chunks(header, payload, self.cfg.chunk_bytes), timeout=self._timeout())
+            chunks = to_chunks(header, payload, self.cfg.chunk_bytes)
+            stream = self._calls["Split"](chunks, timeout=self._timeout(), metadata=bearer(header.session_id))
             return _split_answer(collect(stream, self.cfg.max_delta_bytes))
 
         return self._call("Split", call, budget)
@@ -294,7 +313,7 @@ class PSClient:
         bytes: the server keeps no activations yet, nothing was fitted)."""
 
         def call() -> tuple[m.SplitHeader, bytes]:
-            stream = self._calls["FetchAux"](request, timeout=self._timeout())
+            stream = self._calls["FetchAux"](request, timeout=self._timeout(), metadata=bearer(request.session_id))
             return _split_answer(collect(stream, self.cfg.max_delta_bytes))
 
         return self._call("FetchAux", call, budget)
@@ -305,3 +324,17 @@ def _split_answer(answer: tuple[Any, bytes]) -> tuple[m.SplitHeader, bytes]:
     if not isinstance(header, m.SplitHeader):
         raise ProtocolError(f"the parameter server answered a split call with a {type(header).__name__}")
     return header, payload
+
+
+def _retry_hint(exc: grpc.RpcError) -> float | None:
+    """Seconds a RESOURCE_EXHAUSTED answer asks the caller to wait before trying again (None: no such hint)."""
+    if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return None
+    trailers = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    for key, value in trailers or ():
+        if key == RETRY_PUSHBACK_KEY:
+            try:
+                return max(0.0, int(value) / 1000)
+            except ValueError:
+                return None
+    return None

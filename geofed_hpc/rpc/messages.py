@@ -183,3 +183,4 @@ class StatusReply:
     allreduce_s: float = 0.0
     allreduce_bytes: int = 0
     allreduce_ago_s: float = -1.0
+    streams: int = 0

@@ -85,11 +85,47 @@ def _dataclass_in(hint: Any) -> type | None:
     return None
 
 
+# What a request may hold, checked as it is parsed (a request over a limit is INVALID_ARGUMENT naming the field and
+# the limit, and is never echoed): the characters of each string field, and the items of each repeated field.
+STRING_LIMITS = {
+    "site": 64,
+    "token": 512,
+    "resume_session": 128,
+    "session_id": 128,
+    "push_id": 128,
+    "paradigm": 512,
+    "client_version": 64,
+    "codec": 32,
+    "kind": 32,
+}
+DEFAULT_STRING_LIMIT = 256
+LIST_LIMITS = {"shape": 8}
+DEFAULT_LIST_LIMIT = 4096
+
+
+def check_bounds(obj: Any) -> None:
+    """ProtocolError naming the first field of `obj` (a parsed message, nested ones included) over its limit."""
+    for name, kind, _inner in _fields(type(obj)):  # type: ignore[arg-type]
+        value = getattr(obj, name)
+        where = f"{type(obj).__name__}.{name}"
+        if isinstance(value, str) and len(value) > (limit := STRING_LIMITS.get(name, DEFAULT_STRING_LIMIT)):
+            raise ProtocolError(f"{where}: {len(value)} characters, over its limit of {limit}")
+        if kind in ("list", "messages") and len(value) > (limit := LIST_LIMITS.get(name, DEFAULT_LIST_LIMIT)):
+            raise ProtocolError(f"{where}: {len(value)} items, over its limit of {limit}")
+        if kind == "message" and value is not None:
+            check_bounds(value)
+        if kind == "messages":
+            for item in value:
+                check_bounds(item)
+
+
 def serializer(_cls: type) -> Callable[[Any], bytes]:
     return lambda obj: to_proto(obj).SerializeToString()
 
 
-def deserializer(cls: type) -> Callable[[bytes], Any]:
+def deserializer(cls: type, bounded: bool = False) -> Callable[[bytes], Any]:
+    """Wire bytes to dataclass `cls`; ProtocolError for bytes that do not parse and, with `bounded` (what a server
+    receives), for a field over its limit (check_bounds)."""
     pb_cls = getattr(pb, cls.__name__)
 
     def parse(data: bytes) -> Any:
@@ -98,7 +134,10 @@ def deserializer(cls: type) -> Callable[[bytes], Any]:
             msg.ParseFromString(data)
         except DecodeError as exc:
             raise ProtocolError(f"malformed {cls.__name__} message: {exc}") from exc
-        return from_proto(cls, msg)
+        obj = from_proto(cls, msg)
+        if bounded:
+            check_bounds(obj)
+        return obj
 
     return parse
 

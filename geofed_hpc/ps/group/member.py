@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -10,6 +11,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from geofed_hpc.ckpt.atomic import PRIVATE_FILE
 from geofed_hpc.config import CodecConfig, PSConfig
 from geofed_hpc.errors import GeofedError
 from geofed_hpc.log import logger
@@ -214,7 +216,7 @@ class PeerGroup:
         )
         path = Path(self.cfg.state_dir).expanduser() / GROUP_LOG
         try:
-            with path.open("a") as f:
+            with open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, PRIVATE_FILE), "a") as f:
                 f.write(json.dumps(row) + "\n")
         except OSError as exc:
             logger.warning("PS group: cannot write %s: %s", path, exc)

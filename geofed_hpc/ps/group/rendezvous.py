@@ -176,7 +176,7 @@ def check_hello(cfg: PSConfig, identity: dict[str, Any], rank: int, raw: bytes, 
     """MismatchError naming peer `rank` and this PS when its hello lacks the secret or shows another identity."""
     got = json.loads(raw)
     expected = _proof(peer_secret(cfg), nonce, json.dumps(got["identity"], sort_keys=True).encode())
-    if not hmac.compare_digest(expected, str(got.get("proof", ""))):
+    if not hmac.compare_digest(expected.encode(), str(got.get("proof", "")).encode()):
         raise MismatchError(
             f"refused at the PS group's rendezvous: peer {rank} ({cfg.peers[rank]}) does not prove the shared "
             f"secret this PS (peer {cfg.peer_rank}) holds: set the same ps.peer_secret (or ps.peer_secret_file) "

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from geofed_hpc.ckpt import CheckpointStore
+from geofed_hpc.ckpt.atomic import set_aside
 from geofed_hpc.errors import CheckpointError
 from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
@@ -16,19 +17,34 @@ from geofed_hpc.log import logger
 
 class SplitSnapshots:
     """Numbered snapshots of the server part (its parameters, optimizer, kept activations, fitted auxiliary
-    model), the newest two kept; nothing at all without a state directory. Lock: none (the service's)."""
+    model), mode 0600, the newest two kept; nothing at all without a state directory. One that cannot be read is
+    never removed: set aside in <state_dir>/set-aside/ when an older one loads, and the PS refuses to start when
+    none does. Lock: none (the service's)."""
 
     def __init__(self, state_dir: Path | None) -> None:
         self.store = CheckpointStore(state_dir / "split", prefix="split", keep=2) if state_dir else None
+        self.aside = state_dir / "set-aside" if state_dir else None
         self.count = 0  # snapshots written so far (the next file's number)
 
     def load(self) -> tuple[dict[str, np.ndarray], dict[str, Any], Path] | None:
-        if self.store is None:
+        if self.store is None or self.aside is None:
             return None
-        loaded = self.store.load_latest()
-        if loaded is not None:
-            self.count = int(loaded[1].get("snapshot", 0)) + 1
-        return loaded
+        loaded, unreadable = self.store.load_newest(_numbered)
+        if loaded is None and unreadable:
+            what = "; ".join(f"{path.name} {why}" for path, why in unreadable)
+            raise CheckpointError(
+                f"none of the {len(unreadable)} snapshot(s) of the server part in {self.store.directory} can be "
+                f"read ({what}); the PS does not start, so that nothing is lost: restore one from a copy, or move "
+                f"them out of {self.store.directory} to start the server part afresh"
+            )
+        for path, why in unreadable:
+            where = set_aside(path, self.aside)
+            logger.error("snapshot %s %s; set aside as %s, the server part starts from an older one", path, why, where)
+        if loaded is None:
+            return None
+        (tensors, meta), path = loaded
+        self.count = meta["snapshot"] + 1
+        return tensors, meta, path
 
     def save(self, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any], why: str) -> Path | None:
         """Write one atomically (`why`: version, align or stop); a failure is logged, never fatal (the previous one
@@ -43,3 +59,12 @@ class SplitSnapshots:
         fault("split.snapshot", f"{why}:{self.count}")
         self.count += 1
         return path
+
+
+def _numbered(path: Path, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> tuple[dict, dict]:
+    """A snapshot whose number is well-formed (ValueError otherwise); what the server part restores is checked
+    there."""
+    number = meta.setdefault("snapshot", 0)
+    if isinstance(number, bool) or not isinstance(number, int) or number < 0:
+        raise ValueError(f"has a malformed meta field 'snapshot' ({number!r}, not an int >= 0)")
+    return tensors, meta
