@@ -34,7 +34,7 @@ from tests.test_tls import ps_init
 
 REPO = Path(__file__).resolve().parents[1]
 FP32 = CodecConfig(name="fp32")
-IDLE = 2.0  # ps.stream_idle_timeout of the PS under test, seconds
+IDLE = 5.0  # ps.stream_idle_timeout of the PS under test, seconds
 CODE = grpc.StatusCode
 # Settings of the PS under test: small limits, so that an attack reaches them with a few calls.
 LIMITS = {
@@ -276,12 +276,12 @@ def test_calls_without_a_credential_are_refused_unread_and_hold_nothing(edge: Ed
             h.release.set()
 
 
-def test_stalled_pushes_are_ended_by_the_idle_timeout_and_a_session_holds_at_most_its_share(edge: EdgePS) -> None:
-    with edge.client() as attacker, edge.client() as client:
+def test_stalled_pushes_are_ended_by_the_idle_timeout_and_hold_at_most_their_share(edge: EdgePS) -> None:
+    with edge.client("osc") as attacker, edge.client("tacc") as client:
         bad = edge.joined(attacker, "osc-5")
         payload = b"\0" * (1 << 20)
         stalled = []
-        for _ in range(2):  # a header and the first chunk, then nothing: both decoder slots would be held
+        for _ in range(2):  # a header and the first chunk, then nothing: the PS's two receiving slots and decoders
             header = m.PushHeader(bad.session_id, 0, 1, 1, "fp32", len(payload), digest(payload), uuid.uuid4().hex)
             first = [next(iter(to_chunks(header, payload, 4096)))]
             stalled.append(Held(attacker._calls["PushDelta"], first, bearer(bad.session_id)))
@@ -290,7 +290,10 @@ def test_stalled_pushes_are_ended_by_the_idle_timeout_and_a_session_holds_at_mos
         assert third.code(timeout=20) == CODE.RESOURCE_EXHAUSTED  # ps.max_uploads_per_session=2
         trailers = dict(third.future.exception().trailing_metadata() or ())
         assert int(trailers[RETRY_PUSHBACK_KEY]) > 0 and "max_uploads_per_session" in third.details()
-        assert legit_push(client, edge.joined(client, "osc-6").session_id).accepted  # once the stalled ones end
+        # another site's push lands while both stalled pushes are still held: osc's family holds at most half of
+        # the receiving slots and decoders (a push of osc's would wait for them)
+        assert legit_push(client, edge.joined(client, "tacc-6").session_id).accepted
+        assert not [h for h in stalled if h.future.done()]
         for h in stalled:
             assert h.code(timeout=30) == CODE.DEADLINE_EXCEEDED and "ps.stream_idle_timeout" in h.details()
             h.release.set()
@@ -389,7 +392,7 @@ def test_a_session_that_left_is_refused_on_every_call_until_its_site_joins_again
 
 # ---------------------------------------------------------------- 4. strings from the wire: bounded, escaped
 def test_oversized_and_control_character_fields_are_refused_and_never_echoed(edge: EdgePS) -> None:
-    big = "x" * (16 << 20)
+    big, huge = "x" * (1 << 20), "x" * (16 << 20)
     with edge.client(max_message_bytes=64 << 20) as client:
         osc = edge.joined(client, "osc-20")
         join, token = client._calls["Join"], edge.tokens["osc"]
@@ -398,18 +401,22 @@ def test_oversized_and_control_character_fields_are_refused_and_never_echoed(edg
             "JoinRequest.paradigm": m.JoinRequest("osc-21", token, paradigm=big),
             "JoinRequest.client_version": m.JoinRequest("osc-21", token, client_version=big),
         }
-        for name, request in cases.items():
+        for name, request in cases.items():  # within ps.max_request_bytes: read, and refused naming the field
             with pytest.raises(grpc.RpcError) as info:
                 join(request, timeout=30, metadata=bearer(token))
             details = str(info.value.details())
             assert info.value.code() == CODE.INVALID_ARGUMENT and name in details and "limit" in details
             assert len(details) < 200
+        for request in (m.JoinRequest(huge, token), m.JoinRequest("osc-21", token, paradigm=huge)):
+            with pytest.raises(grpc.RpcError) as info:  # over it (4 MiB): refused by gRPC as it arrives, never read
+                join(request, timeout=30, metadata=bearer(token))
+            assert info.value.code() == CODE.RESOURCE_EXHAUSTED and "larger than max" in str(info.value.details())
         for site in ("osc\n00:00:00 INFO geofed_hpc: FORGED LINE", "osc\x1b[31m", "osc-0\r"):
             request = m.JoinRequest(site, token)
             assert code_of(join, request, timeout=10, metadata=bearer(token)) == CODE.INVALID_ARGUMENT
         payload = codec.encode({k: np.ones_like(v) for k, v in small_params().items()}, FP32)
         auth = bearer(osc.session_id)
-        for push_id in ("p\nFORGED LINE", "y" * (4 << 20), "p\x00"):
+        for push_id in ("p\nFORGED LINE", "y" * (3 << 20), "p\x00"):
             header = m.PushHeader(osc.session_id, 0, 1, 1, "fp32", len(payload), digest(payload), push_id)
             chunks = iter(to_chunks(header, payload, 4096))
             assert code_of(client._calls["PushDelta"], chunks, timeout=30, metadata=auth) == CODE.INVALID_ARGUMENT

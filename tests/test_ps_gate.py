@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from geofed_hpc.errors import AuthError, LimitError, PermissionDeniedError, ProtocolError
+from geofed_hpc.errors import AuthError, LimitError, PermissionDeniedError, ProtocolError, UnavailableError
 from geofed_hpc.log import quote
 from geofed_hpc.ps.gate import Gate, admits
 from geofed_hpc.ps.sessions import handle_of
+from geofed_hpc.ps.slots import FairSlots
 from geofed_hpc.ps.tokens import TokenFile
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc import serde
@@ -169,7 +170,7 @@ def test_a_cancelled_long_poll_returns_at_once_and_a_waiting_push_stops_waiting(
     assert not poll.is_alive() and time.monotonic() - started < 5 and got[0].model is not None  # what there is
     # a push waiting for the one receiving slot stops waiting when its call ends
     held = threading.Semaphore(0)
-    with logic._slot(logic._receiving, "pushes", None):
+    with logic._receiving.held("another", timedelta(seconds=1), "pushes"):  # the one receiving slot, taken
         pusher = caller("PushDelta", Principal("session", "osc", handle_of(session)), credential=session)
         errors: list[BaseException] = []
 
@@ -186,3 +187,24 @@ def test_a_cancelled_long_poll_returns_at_once_and_a_waiting_push_stops_waiting(
         assert held.acquire(timeout=5)
     assert errors and "ended while it waited" in str(errors[0])
     logic.finish()
+
+
+def test_one_family_of_sites_holds_at_most_half_of_a_pool_of_slots() -> None:
+    slots = FairSlots(4)
+    assert slots.share == 2 and FairSlots(1).share == 1 and FairSlots(5).share == 3
+    assert (
+        slots.try_take("osc") and slots.try_take("osc") and not slots.try_take("osc")
+    )  # osc-0, osc-1, ...: one family
+    assert slots.try_take("tacc") and slots.try_take("tacc") and not slots.try_take("iitm")  # all four taken
+    slots.give_back("tacc")  # a slot is free, but not for osc: it holds its half already
+    with pytest.raises(UnavailableError, match="busy with other pushes"):
+        with slots.held("osc", timedelta(milliseconds=300), "pushes"):
+            pass
+    with slots.held("iitm", timedelta(seconds=1), "pushes"):
+        assert slots.in_use == 4
+    ended = threading.Event()
+    threading.Timer(0.3, ended.set).start()
+    with pytest.raises(UnavailableError, match="the call ended while it waited"):
+        with slots.held("osc", timedelta(seconds=60), "pushes", ended.is_set):
+            pass
+    assert slots.in_use == 3

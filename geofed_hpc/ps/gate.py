@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hmac
-import re
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -13,7 +12,7 @@ from geofed_hpc.config import PSConfig
 from geofed_hpc.errors import AuthError, LimitError, PermissionDeniedError
 from geofed_hpc.log import quote
 from geofed_hpc.ps.sessions import SessionTable, is_session_credential
-from geofed_hpc.ps.tokens import token_hash
+from geofed_hpc.ps.tokens import admits, token_hash
 from geofed_hpc.rpc.guard import Caller, Principal
 
 # Methods that hold a handler thread while data moves (or a long-poll waits): what the limits below count.
@@ -23,18 +22,14 @@ DOWNLOADS = ("StreamModel", "FetchAux")
 RETRY_AFTER = timedelta(seconds=2)
 
 
-def admits(owner: str, site: str) -> bool:
-    """A credential (token or certificate) of site `owner` admits `owner` and its numbered jobs `owner-0`, ..."""
-    return site == owner or bool(re.fullmatch(re.escape(owner) + r"-\d+", site))
-
-
 class Gate:
     """Implements rpc.guard.Authority for one PS: every call proves who it is before it is given a thread.
 
     Credentials, per method: Join takes a site's enrollment token (ps.enroll_token or an issued one) or a one-time
     rejoin token (any, or none, on a PS that requires no token); Status takes the operator's admin token, a live
     session's credential or a valid enrollment token (anything on an open PS); every other method takes a live
-    session's credential. Under mutual TLS a call's certificate must be its site's (`bind`, `check_site`).
+    session's credential. Under mutual TLS a call's certificate must be its site's (`check_site`; `admit` checks it
+    for every call of a session).
 
     What an admitted caller may hold at once, so that no caller can take what the others need:
     `ps.max_uploads_per_session` pushes and split uploads and `ps.max_downloads_per_session` downloads and long-polls
@@ -63,7 +58,9 @@ class Gate:
             return self._observing(credential)
         if not credential:
             raise AuthError(f"{method} needs the session's credential (from Join) in the call's metadata")
-        return self.sessions.principal(credential)
+        principal = self.sessions.principal(credential)
+        self._refuse_when_full(principal, method)  # answered before the call is dispatched: a flood costs less
+        return principal
 
     def _joining(self, credential: str) -> Principal:
         verifier = self.sessions.verifier
@@ -109,6 +106,28 @@ class Gate:
             raise PermissionDeniedError(f"the client certificate is for {names}, not for site {quote(site)}")
 
     # ---------------------------------------------------------------- how much
+    def _share(self, method: str) -> tuple[str, int]:
+        """What a call of `method` holds ("uploads", "downloads" or "": nothing) and how many a session may hold."""
+        if method in UPLOADS:
+            return "uploads", self.cfg.max_uploads_per_session
+        if method in DOWNLOADS:
+            return "downloads", self.cfg.max_downloads_per_session
+        return "", 0
+
+    def _refuse_when_full(self, principal: Principal, method: str) -> None:
+        """LimitError when the session holds its share of `method`'s slots already (`admit` takes them)."""
+        kind, per_session = self._share(method)
+        if kind:
+            with self._lock:
+                full = self._per_session[(principal.session, kind)] >= per_session
+            if full:
+                raise self._session_full(kind, per_session)
+
+    @staticmethod
+    def _session_full(kind: str, per_session: int) -> LimitError:
+        field = f"ps.max_{kind}_per_session"
+        return LimitError(f"this session has {per_session} {kind} open ({field}); retry", RETRY_AFTER)
+
     def admit(self, caller: Caller) -> Callable[[], None]:
         """Bind the call to its certificate and take its slots; the release (idempotent) gives them back."""
         principal = caller.principal
@@ -116,17 +135,13 @@ class Gate:
             self.check_site(caller, principal.site)
         elif principal.kind == "admin" and self.mutual_tls and not caller.cert_names:
             raise PermissionDeniedError("mutual TLS: the call carries no client certificate")
-        if caller.method in UPLOADS:
-            kind, per_session = "uploads", self.cfg.max_uploads_per_session
-        elif caller.method in DOWNLOADS:
-            kind, per_session = "downloads", self.cfg.max_downloads_per_session
-        else:
+        kind, per_session = self._share(caller.method)
+        if not kind:
             return _nothing
         key = (principal.session, kind)
         with self._lock:
             if self._per_session[key] >= per_session:
-                field = f"ps.max_{kind}_per_session"
-                raise LimitError(f"this session has {per_session} {kind} open ({field}); retry", RETRY_AFTER)
+                raise self._session_full(kind, per_session)
             if self._per_peer[caller.peer] >= self.cfg.max_streams_per_peer:
                 field = f"ps.max_streams_per_peer={self.cfg.max_streams_per_peer}"
                 raise LimitError(f"too many streams from {quote(caller.peer, 48)} ({field}); retry", RETRY_AFTER)

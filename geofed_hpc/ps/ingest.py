@@ -14,6 +14,7 @@ from geofed_hpc.codec.stream import Scratch
 from geofed_hpc.errors import CodecError, ProtocolError
 from geofed_hpc.ps.aggregate import Delta
 from geofed_hpc.ps.journal import sync_file
+from geofed_hpc.ps.slots import FairSlots
 from geofed_hpc.ps.staging import Staging
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import drain
@@ -48,16 +49,28 @@ class Ingest:
         for _ in range(threads):
             self._free.put(Scratch())
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ps-ingest")
+        self._shares = FairSlots(threads)  # one family streams into at most half of the decoders
+        self._family: dict[int, str] = {}  # id(Scratch) -> the family streaming into it
 
-    def take(self) -> Scratch | None:
-        """A decoder slot (its Scratch) if one is free now, else None; hand it to `receive` or `give_back`."""
-        try:
-            return self._free.get_nowait()
-        except queue.Empty:
+    def take(self, family: str = "") -> Scratch | None:
+        """A decoder slot (its Scratch) if one is free now for `family` (a site and its numbered jobs: it may stream
+        into at most half of them, so that its pushes, stalled or not, leave the others a decoder), else None; hand
+        it to `receive` or `give_back`."""
+        if not self._shares.try_take(family):
             return None
+        try:
+            scratch = self._free.get_nowait()
+        except queue.Empty:  # a staged push is decoding in it
+            self._shares.give_back(family)
+            return None
+        self._family[id(scratch)] = family
+        return scratch
 
     def give_back(self, scratch: Scratch) -> None:
+        family = self._family.pop(id(scratch), None)
         self._free.put(scratch)
+        if family is not None:
+            self._shares.give_back(family)
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -86,7 +99,7 @@ class Ingest:
         try:
             task = self._pool.submit(self._decode, header, chunks, expected, path, admit, scratch)
         except BaseException:
-            self._free.put(scratch)
+            self.give_back(scratch)
             raise
         try:
             with open(path, "xb") if path is not None else nullcontext(None) as f:
@@ -141,7 +154,7 @@ class Ingest:
                 sync_file(path)  # on disk before the journal may take it
             return admit(delta, header.total_bytes, path)
         finally:
-            self._free.put(scratch)
+            self.give_back(scratch)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -5,18 +5,16 @@ from __future__ import annotations
 import hmac
 import itertools
 import math
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from geofed_hpc.config import CodecConfig, PSConfig
-from geofed_hpc.errors import AuthError, ConfigError, GeofedError, MismatchError, ProtocolError, UnavailableError
+from geofed_hpc.errors import AuthError, ConfigError, GeofedError, MismatchError, ProtocolError
 from geofed_hpc.faults import fault
 from geofed_hpc.log import escape
 from geofed_hpc.paradigms.exchange import Exchange
@@ -27,25 +25,24 @@ from geofed_hpc.ps.grouped import GroupedCoordinator
 from geofed_hpc.ps.ingest import Ingest
 from geofed_hpc.ps.journal import sync_file
 from geofed_hpc.ps.sessions import Session
+from geofed_hpc.ps.slots import FairSlots
 from geofed_hpc.ps.staging import Staging, decode_delta, decode_push
 from geofed_hpc.ps.statedir import admin_token
 from geofed_hpc.ps.strategy import Strategy
-from geofed_hpc.ps.tokens import check_site_name
+from geofed_hpc.ps.tokens import check_site_name, family_of
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.guard import Caller
 from geofed_hpc.rpc.stream import first_header, to_chunks
-
-# A call waiting for a push or download slot looks this often whether it was cancelled meanwhile.
-SLOT_POLL = timedelta(milliseconds=200)
 
 if TYPE_CHECKING:  # the server part imports torch: only a PS of a split paradigm loads it (ps/app.py)
     from geofed_hpc.ps.split.service import SplitService
 
 
 class ParameterServerLogic:
-    """The PS's five RPCs, in memory (tests call it directly) or behind rpc.server (real gRPC); never opens
-    sockets. It checks what arrives, bounds how much arrives at once, and hands verified deltas to the
-    coordinator (`core`, coordinator.py), which owns the PS's state and its lock.
+    """The PS's RPCs, in memory (tests call them directly) or behind rpc.server (real gRPC, whose gate asks `gate`,
+    gate.py, who each caller is and what it may hold before the call starts); never opens sockets. It checks what
+    arrives, bounds how much arrives at once, and hands verified deltas to the coordinator (`core`,
+    coordinator.py), which owns the PS's state and its lock.
 
     A push is decoded as it arrives (`ingest`, ingest.py: frames go to a decoder thread while the handler thread
     verifies length and sha256; nothing is used before the stream verified) when one of `ps.decode_threads`
@@ -53,9 +50,10 @@ class ParameterServerLogic:
     of as many threads once a slot frees. Decoding never runs on the gRPC handler threads (each thread's malloc
     arena keeps about the largest thing it once decoded). Memory is bounded by limits, not by the number of sites:
     at most `ps.max_concurrent_pushes` streams are read, `ps.decode_threads` deltas decoded and
-    `ps.max_concurrent_downloads` sent at once; the others wait.
+    `ps.max_concurrent_downloads` sent at once; the others wait. One family of sites (a site and its numbered jobs)
+    holds at most half of each (slots.py), so that pushes that stall or downloads nobody reads leave the others room.
 
-    Lock: none of its own; the semaphores bound the streams and decoders, the coordinator's lock guards all state.
+    Lock: none of its own; the slots bound the streams and decoders, the coordinator's lock guards all state.
     """
 
     def __init__(
@@ -70,8 +68,8 @@ class ParameterServerLogic:
         self.cfg = cfg
         state = Path(cfg.state_dir).expanduser() if cfg.state_dir else None
         self.staging = Staging(cfg.staging_dir or (state / "staging" if state else None))
-        self._receiving = threading.BoundedSemaphore(cfg.max_concurrent_pushes)
-        self._sending = threading.BoundedSemaphore(cfg.max_concurrent_downloads)
+        self._receiving = FairSlots(cfg.max_concurrent_pushes)  # a family of sites reads at most half of them
+        self._sending = FairSlots(cfg.max_concurrent_downloads)
         self._decoders = ThreadPoolExecutor(cfg.decode_threads, thread_name_prefix="ps-decode")
         self.ingest = Ingest(cfg.decode_threads, self.staging)
         try:
@@ -117,8 +115,9 @@ class ParameterServerLogic:
         fault("ps.stream", str(request.min_version))
         wait = request.wait_s if math.isfinite(request.wait_s) else 0.0  # a long-poll never outlives rpc_timeout
         deadline = time.monotonic() + min(max(0.0, wait), self.cfg.rpc_timeout.total_seconds())
+        family = family_of(self.core.session_site(request.session_id))
         header, payload = self.core.wait_model(request, deadline, caller)
-        with self._slot(self._sending, "downloads", caller):
+        with self._sending.held(family, self.cfg.rpc_timeout, "downloads", _ended(caller)):
             yield from to_chunks(header, payload, self.cfg.chunk_bytes)
 
     def push_delta(self, chunks: Iterable[m.Chunk], caller: Caller | None = None) -> m.PushReply:
@@ -133,8 +132,9 @@ class ParameterServerLogic:
         header = replace(header, session_id=session.handle)  # from here on the session is named, never its secret
         scratch = None
         try:
-            with self._slot(self._receiving, "pushes", caller):  # a waiting push is held back by flow control, unread
-                scratch = None if header.init else self.ingest.take()
+            family = family_of(session.site)  # a waiting push is held back by flow control, unread
+            with self._receiving.held(family, self.cfg.rpc_timeout, "pushes", _ended(caller)):
+                scratch = None if header.init else self.ingest.take(family)
                 if scratch is not None:
                     reply = self.ingest.receive(
                         scratch,
@@ -162,20 +162,6 @@ class ParameterServerLogic:
             path.unlink(missing_ok=True)
         self.core.end_push(session, header.push_id, refused=False)
         return self.core.settled(reply, header)
-
-    @contextmanager
-    def _slot(self, limit: threading.BoundedSemaphore, what: str, caller: Caller | None) -> Iterator[None]:
-        """Hold one of `limit`'s slots, waiting up to ps.rpc_timeout; a call that ends meanwhile stops waiting."""
-        deadline = time.monotonic() + self.cfg.rpc_timeout.total_seconds()
-        while not limit.acquire(timeout=max(0.0, min(SLOT_POLL.total_seconds(), deadline - time.monotonic()))):
-            if caller is not None and caller.ended:
-                raise UnavailableError(f"the call ended while it waited for one of the PS's {what} slots")
-            if time.monotonic() >= deadline:
-                raise UnavailableError(f"the parameter server is busy with other {what}; retry later")
-        try:
-            yield
-        finally:
-            limit.release()
 
     def _apply_staged(self, session: Session, header: m.PushHeader, path: Path) -> m.PushReply:
         """On a decoder thread, holding a decoder slot: decode a verified staged push and hand it to the
@@ -274,3 +260,8 @@ def _same_session(credential: str, caller: Caller | None) -> None:
     credential before the call started; the coordinator checks the request's when it uses it)."""
     if caller is not None and not hmac.compare_digest(caller.credential.encode(), credential.encode()):
         raise AuthError("the session named in the request is not the one the call carries")
+
+
+def _ended(caller: Caller | None) -> Callable[[], bool]:
+    """Whether the call ended (its caller gave up, or the PS ended it): a wait for a slot stops then."""
+    return (lambda: caller.ended) if caller is not None else (lambda: False)

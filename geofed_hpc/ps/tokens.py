@@ -46,6 +46,16 @@ def tokens_path(state_dir: str) -> Path:
     return Path(state_dir).expanduser() / TOKENS_FILE
 
 
+def admits(owner: str, site: str) -> bool:
+    """A credential (token or certificate) of site `owner` admits `owner` and its numbered jobs `owner-0`, ..."""
+    return site == owner or bool(re.fullmatch(re.escape(owner) + r"-\d+", site))
+
+
+def family_of(site: str) -> str:
+    """The site a numbered job belongs to (`osc-3` -> `osc`): what one enrollment token admits."""
+    return re.sub(r"-\d+$", "", site)
+
+
 def check_site_name(site: str, field: str = "site") -> str:
     if not _SITE.fullmatch(site):
         raise ConfigError(f"{field}: {quote(site)} is not a site name (1-64 letters, digits, '.', '_', '-')")
@@ -70,7 +80,7 @@ class TokenRecord:
 
     def admits(self, site: str) -> bool:
         """A token for `osc` admits the site `osc` and its numbered jobs `osc-0`, `osc-1`, ..."""
-        return site == self.site or bool(re.fullmatch(re.escape(self.site) + r"-\d+", site))
+        return admits(self.site, site)
 
     @classmethod
     def from_row(cls, row: object, where: str) -> TokenRecord:
