@@ -14,6 +14,7 @@ from geofed_hpc.config.section import section
 
 Port = Annotated[StrictInt, Field(ge=0, le=65535)]
 AtLeastOne = Annotated[StrictInt, Field(ge=1)]
+REQUEST_HEADROOM = 1 << 16  # what a chunk's header may add to its data (its strings are bounded at parse)
 _DNS_NAME = pattern(r"[A-Za-z0-9*.:-]+", "expected DNS names or IP addresses, got {value!r}")
 
 
@@ -128,6 +129,9 @@ class PSConfig:
     """Bytes per streamed chunk: 4096 to half of max_message_bytes."""
     max_message_bytes: StrictInt = 64 << 20
     """The largest gRPC message."""
+    max_request_bytes: StrictInt = 4 << 20
+    """PS: the largest message it reads from a caller (a chunk of ps.chunk_bytes and its header fit, with 64 KiB to
+    spare); gRPC refuses a longer one as it arrives, before it is read whole."""
     max_delta_bytes: StrictInt = 8 << 30
     """The largest encoded delta or model one transfer may carry."""
     connect_timeout: Duration = timedelta(seconds=30)
@@ -191,6 +195,12 @@ class PSConfig:
             "ps.reserved_workers",
             f"must leave at least 2 of ps.max_workers ({self.max_workers}) for pushes and downloads, "
             f"got {self.reserved_workers}",
+        )
+        check(
+            self.chunk_bytes + REQUEST_HEADROOM <= self.max_request_bytes,
+            "ps.max_request_bytes",
+            f"must hold a chunk of ps.chunk_bytes ({self.chunk_bytes}) and its header: at least "
+            f"{self.chunk_bytes + REQUEST_HEADROOM}, got {self.max_request_bytes}",
         )
         check(
             4096 <= self.chunk_bytes <= self.max_message_bytes // 2,

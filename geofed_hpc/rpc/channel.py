@@ -47,7 +47,8 @@ def client_options(cfg: PSConfig, keepalive_ms: int = CLIENT_KEEPALIVE_MS) -> li
 def server_options(cfg: PSConfig) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", cfg.max_message_bytes),
-        ("grpc.max_receive_message_length", cfg.max_message_bytes),
+        # a caller's message longer than this is refused as it arrives, never read whole (a 16 MiB site name...)
+        ("grpc.max_receive_message_length", min(cfg.max_message_bytes, cfg.max_request_bytes)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS),
         ("grpc.http2.min_ping_interval_without_data_ms", SERVER_MIN_PING_INTERVAL_MS),
