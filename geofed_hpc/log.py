@@ -14,7 +14,9 @@ def escape(text: object, limit: int = 64) -> str:
     printable escaped (no forged lines, no terminal escapes), cut after `limit` characters with the count of the
     rest."""
     s = text if isinstance(text, str) else str(text)
-    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in s[:limit])
+    shown = s[:limit]
+    if not shown.isprintable():
+        shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in shown)
     return shown + (f"...(+{len(s) - limit} chars)" if len(s) > limit else "")
 
 

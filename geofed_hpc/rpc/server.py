@@ -15,7 +15,7 @@ import grpc
 
 from geofed_hpc.config import PSConfig
 from geofed_hpc.errors import GeofedError, UnavailableError
-from geofed_hpc.log import logger
+from geofed_hpc.log import escape, logger
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc import serde
 from geofed_hpc.rpc.channel import server_credentials, server_options
@@ -57,15 +57,18 @@ OnRpc = Callable[[str, str, float], None]
 """Called once per finished RPC with (method, status code name, seconds); it must not raise."""
 
 
+# The longest status details the server sends (and logs for a refusal).
+MAX_DETAILS = 1000
 # Status codes that mean the server crashed, never that the request was wrong: logged with the stack.
 CRASH_CODES = ("INTERNAL", "UNKNOWN")
 _REFUSALS = Throttled()  # refused calls are logged, a line per method and kind every few seconds at most
 
 
 def _status(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status and details a failure answers with (escaped and cut: they may quote what the caller sent)."""
     if isinstance(exc, GeofedError):
-        return getattr(grpc.StatusCode, exc.grpc_code), str(exc)
-    return grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
+        return getattr(grpc.StatusCode, exc.grpc_code), escape(exc, MAX_DETAILS)
+    return grpc.StatusCode.INTERNAL, escape(f"internal error in {method}: {type(exc).__name__}: {exc}", MAX_DETAILS)
 
 
 def _pushback(context: grpc.ServicerContext, exc: BaseException) -> None:
@@ -78,7 +81,7 @@ def _pushback(context: grpc.ServicerContext, exc: BaseException) -> None:
 def _abort(context: grpc.ServicerContext, method: str, exc: BaseException) -> None:
     code, details = _status(exc, method)
     if isinstance(exc, GeofedError) and exc.grpc_code not in CRASH_CODES:
-        _REFUSALS.warning(f"{method}:{exc.grpc_code}", "%s refused: %s", method, exc)
+        _REFUSALS.warning(f"{method}:{exc.grpc_code}", "%s refused: %s", method, details)
         _pushback(context, exc)
     elif isinstance(exc, GeofedError):  # one of ours, but no refusal of the request: a fault of this server
         logger.error("%s failed: %s", method, exc, exc_info=exc)
