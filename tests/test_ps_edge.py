@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -30,6 +33,7 @@ from geofed_hpc.rpc.stream import digest, to_chunks
 from tests.conftest import ps_config, small_params
 from tests.dist_util import free_port
 from tests.site_procs import wait_for
+from tests.test_ps_state_files import loose
 from tests.test_tls import ps_init
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,17 +67,14 @@ class EdgePS:
     proc: subprocess.Popen | None = None
     admin: str = ""
 
-    def start(self) -> None:
-        pki, state = self.where / "pki", self.where / "state"
-        assert ps_init(pki, "ps.tls_sites=[osc,tacc]") == 0
-        for site in ("osc", "tacc"):
-            self.tokens[site], _ = TokenFile(tokens_path(str(state))).issue(site, timedelta(days=1))
-        self.port = free_port()
+    def command(self, state: Path, port: int) -> list[str]:
+        """`geofed-hpc ps up` of this PS, over its state directory `state`, on `port`."""
+        pki = self.where / "pki"
         args = [
             "ps",
             "up",
             "ps.host=127.0.0.1",
-            f"ps.port={self.port}",
+            f"ps.port={port}",
             f"ps.state_dir={state}",
             "ps.insecure=false",
             f"ps.cert_file={pki / 'server.crt'}",
@@ -84,8 +85,16 @@ class EdgePS:
         ]
         if self.mutual:
             args.append(f"ps.client_ca_file={pki / 'ca.crt'}")
+        return [sys.executable, "-m", "geofed_hpc.cli", *args]
+
+    def start(self) -> None:
+        pki, state = self.where / "pki", self.where / "state"
+        assert ps_init(pki, "ps.tls_sites=[osc,tacc]") == 0
+        for site in ("osc", "tacc"):
+            self.tokens[site], _ = TokenFile(tokens_path(str(state))).issue(site, timedelta(days=1))
+        self.port = free_port()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "geofed_hpc.cli", *args],
+            self.command(state, self.port),
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -448,3 +457,36 @@ def test_status_on_the_command_line_uses_the_operators_token_or_the_sites(edge: 
         assert "osc-0" in done.stdout
     assert nobody.returncode == 2 and nobody.stderr.count("\n") == 1 and "Status needs a credential" in nobody.stderr
     assert edge.admin not in operator.stdout + operator.stderr
+
+
+# ---------------------------------------------------------------- 5. state on disk
+def test_what_the_ps_wrote_is_private_and_a_deleted_token_file_opens_nothing(edge: EdgePS) -> None:
+    state = edge.where / "state"
+    assert loose(state) == []  # after every test above: snapshots, journal, updates, tokens, admin token, metrics
+    assert {"tokens.json", "auth.json", "admin.token"} <= {p.name for p in state.iterdir()}
+    kept = (state / "tokens.json").read_bytes()
+    (state / "tokens.json").unlink()
+    try:
+        with edge.client() as client:
+            join = client._calls["Join"]
+            for request in (m.JoinRequest("osc-40", ""), m.JoinRequest("osc-40", edge.tokens["osc"])):
+                assert code_of(join, request, timeout=10, metadata=bearer(request.token)) == CODE.UNAUTHENTICATED
+    finally:
+        (state / "tokens.json").write_bytes(kept)
+        os.chmod(state / "tokens.json", 0o600)
+    with edge.client() as client:
+        wait_for(lambda: code_of(edge.joined, client, "osc-41") == CODE.OK, 30, "the token file read again")
+
+
+def test_a_malformed_state_file_stops_ps_up_in_one_line_and_nothing_is_deleted(edge: EdgePS, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    shutil.copytree(edge.where / "state", state, ignore=shutil.ignore_patterns("staging", "metrics"))
+    os.chmod(state, 0o700)
+    records = json.loads((state / "tokens.json").read_text())
+    records["tokens"][0]["expires"] = "next week"
+    (state / "tokens.json").write_text(json.dumps(records))
+    before = {p: p.read_bytes() for p in state.rglob("*") if p.is_file()}
+    done = subprocess.run(edge.command(state, free_port()), capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "tokens.json" in done.stderr and "'expires'" in done.stderr and "Traceback" not in done.stderr
+    assert {p: p.read_bytes() for p in state.rglob("*") if p.is_file()} == before  # nothing deleted or rewritten
