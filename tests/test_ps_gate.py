@@ -189,15 +189,13 @@ def test_a_cancelled_long_poll_returns_at_once_and_a_waiting_push_stops_waiting(
     logic.finish()
 
 
-def test_one_family_of_sites_holds_at_most_half_of_a_pool_of_slots() -> None:
+def test_one_family_of_sites_never_holds_the_last_quarter_of_a_pool_of_slots() -> None:
     slots = FairSlots(4)
-    assert slots.share == 2 and FairSlots(1).share == 1 and FairSlots(5).share == 3
-    assert (
-        slots.try_take("osc") and slots.try_take("osc") and not slots.try_take("osc")
-    )  # osc-0, osc-1, ...: one family
-    assert slots.try_take("tacc") and slots.try_take("tacc") and not slots.try_take("iitm")  # all four taken
-    slots.give_back("tacc")  # a slot is free, but not for osc: it holds its half already
-    with pytest.raises(UnavailableError, match="busy with other pushes"):
+    assert slots.share == 3 and FairSlots(16).share == 12 and FairSlots(2).share == 1 and FairSlots(1).share == 1
+    assert all(slots.try_take("osc") for _ in range(3)) and not slots.try_take("osc")  # osc-0, osc-1: one family
+    assert slots.try_take("tacc") and not slots.try_take("iitm")  # all four taken
+    slots.give_back("tacc")  # a slot is free, but not for osc: it holds its share already
+    with pytest.raises(LimitError, match="busy with other pushes"):
         with slots.held("osc", timedelta(milliseconds=300), "pushes"):
             pass
     with slots.held("iitm", timedelta(seconds=1), "pushes"):
@@ -208,3 +206,15 @@ def test_one_family_of_sites_holds_at_most_half_of_a_pool_of_slots() -> None:
         with slots.held("osc", timedelta(seconds=60), "pushes", ended.is_set):
             pass
     assert slots.in_use == 3
+
+
+def test_a_federation_of_one_family_uses_every_slot_and_shares_them_once_another_takes_part() -> None:
+    logic = make(max_concurrent_pushes=4)
+    logic.join(m.JoinRequest("osc-0"))
+    logic.join(m.JoinRequest("osc-1"))
+    slots = logic._receiving
+    assert all(slots.try_take("osc") for _ in range(4))  # one family alone: all four
+    logic.join(m.JoinRequest("tacc"))
+    slots.give_back("osc")
+    assert not slots.try_take("osc") and slots.try_take("tacc")  # osc holds 3, its share with tacc taking part
+    logic.finish()

@@ -339,12 +339,12 @@ def test_status_reports_sites_and_ps() -> None:
     assert rows["site1"].pushes == 0 and rows["site1"].last_push_s == -1.0
 
 
-def test_a_push_waits_for_a_receive_slot_and_gives_up_with_unavailable() -> None:
+def test_a_push_waits_for_a_receive_slot_and_gives_up_busy_with_a_retry_hint() -> None:
     import threading
 
-    from geofed_hpc.errors import UnavailableError
+    from geofed_hpc.errors import LimitError
 
-    logic = make("async", max_concurrent_pushes=1, rpc_timeout="1s")
+    logic = make("async", max_concurrent_pushes=1, stream_idle_timeout="1s")
     a, b = joined(logic, 2)
     params = init(logic, a)
     chunks = push_chunks(a, 0, small_params(seed=3), push_id="slow")
@@ -358,8 +358,9 @@ def test_a_push_waits_for_a_receive_slot_and_gives_up_with_unavailable() -> None
     replies: list = []
     holder = threading.Thread(target=lambda: replies.append(logic.push_delta(slow())))
     holder.start()
-    with pytest.raises(UnavailableError, match="busy with other pushes"):
+    with pytest.raises(LimitError, match="busy with other pushes") as busy:  # after ps.stream_idle_timeout
         push(logic, b, 0, full(params, 1.0))
+    assert busy.value.retry_after is not None
     release.set()
     holder.join(timeout=30)
     assert replies[0].accepted and logic.version == 1

@@ -6,20 +6,18 @@ import hmac
 import threading
 from collections import Counter
 from collections.abc import Callable
-from datetime import timedelta
 
 from geofed_hpc.config import PSConfig
 from geofed_hpc.errors import AuthError, LimitError, PermissionDeniedError
 from geofed_hpc.log import quote
 from geofed_hpc.ps.sessions import SessionTable, is_session_credential
+from geofed_hpc.ps.slots import RETRY_AFTER
 from geofed_hpc.ps.tokens import admits, token_hash
 from geofed_hpc.rpc.guard import Caller, Principal
 
 # Methods that hold a handler thread while data moves (or a long-poll waits): what the limits below count.
 UPLOADS = ("PushDelta", "Split")
 DOWNLOADS = ("StreamModel", "FetchAux")
-# How long a caller told "too many" is asked to wait before it tries again.
-RETRY_AFTER = timedelta(seconds=2)
 
 
 class Gate:

@@ -43,19 +43,19 @@ class Ingest:
     Lock: the free slots are a queue (`_free`, each with its Scratch); each stream's queue belongs to its push.
     """
 
-    def __init__(self, threads: int, staging: Staging) -> None:
+    def __init__(self, threads: int, staging: Staging, contended: Callable[[], bool] = lambda: True) -> None:
         self.staging = staging
         self._free: queue.LifoQueue[Scratch] = queue.LifoQueue()
         for _ in range(threads):
             self._free.put(Scratch())
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="ps-ingest")
-        self._shares = FairSlots(threads)  # one family streams into at most half of the decoders
+        self._shares = FairSlots(threads, contended=contended)  # with several families, one never takes them all
         self._family: dict[int, str] = {}  # id(Scratch) -> the family streaming into it
 
     def take(self, family: str = "") -> Scratch | None:
-        """A decoder slot (its Scratch) if one is free now for `family` (a site and its numbered jobs: it may stream
-        into at most half of them, so that its pushes, stalled or not, leave the others a decoder), else None; hand
-        it to `receive` or `give_back`."""
+        """A decoder slot (its Scratch) if one is free now for `family` (a site and its numbered jobs: while other
+        families have sites too, it never streams into the last quarter of them, at least one, so that its pushes,
+        stalled or not, leave the others a decoder), else None; hand it to `receive` or `give_back`."""
         if not self._shares.try_take(family):
             return None
         try:
@@ -73,11 +73,11 @@ class Ingest:
             self._shares.give_back(family)
 
     @contextmanager
-    def held(self) -> Iterator[None]:
-        """Hold a decoder slot, waiting for one (the staged path, before it decodes)."""
+    def held(self) -> Iterator[Scratch]:
+        """Hold a decoder slot, waiting for one (the staged path, before it decodes into its buffers)."""
         scratch = self._free.get()
         try:
-            yield
+            yield scratch
         finally:
             self._free.put(scratch)
 

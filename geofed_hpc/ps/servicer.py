@@ -8,6 +8,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -50,8 +51,9 @@ class ParameterServerLogic:
     of as many threads once a slot frees. Decoding never runs on the gRPC handler threads (each thread's malloc
     arena keeps about the largest thing it once decoded). Memory is bounded by limits, not by the number of sites:
     at most `ps.max_concurrent_pushes` streams are read, `ps.decode_threads` deltas decoded and
-    `ps.max_concurrent_downloads` sent at once; the others wait. One family of sites (a site and its numbered jobs)
-    holds at most half of each (slots.py), so that pushes that stall or downloads nobody reads leave the others room.
+    `ps.max_concurrent_downloads` sent at once; the others wait. While sites of several families take part, one
+    family (a site and its numbered jobs) never takes the last quarter of each (slots.py), so that its pushes that
+    stall or downloads nobody reads leave the others room.
 
     Lock: none of its own; the slots bound the streams and decoders, the coordinator's lock guards all state.
     """
@@ -68,16 +70,18 @@ class ParameterServerLogic:
         self.cfg = cfg
         state = Path(cfg.state_dir).expanduser() if cfg.state_dir else None
         self.staging = Staging(cfg.staging_dir or (state / "staging" if state else None))
-        self._receiving = FairSlots(cfg.max_concurrent_pushes)  # a family of sites reads at most half of them
-        self._sending = FairSlots(cfg.max_concurrent_downloads)
-        self._decoders = ThreadPoolExecutor(cfg.decode_threads, thread_name_prefix="ps-decode")
-        self.ingest = Ingest(cfg.decode_threads, self.staging)
         try:
             kind = GroupedCoordinator if cfg.grouped else Coordinator
             self.core = kind(cfg, settings, self.staging, clock, exchange, codec)
         except BaseException:
             self.staging.close()
             raise
+        # with sites of several families, one family never takes the last quarter of these (slots.py)
+        contended = self.core.sessions.several_families
+        self._receiving = FairSlots(cfg.max_concurrent_pushes, contended=contended)
+        self._sending = FairSlots(cfg.max_concurrent_downloads, contended=contended)
+        self._decoders = ThreadPoolExecutor(cfg.decode_threads, thread_name_prefix="ps-decode")
+        self.ingest = Ingest(cfg.decode_threads, self.staging, contended)
         self.split_part: SplitService | None = None  # fsl_sage / split: the server part (ps/split/), attached
         if state is not None and not admin:  # the operator's credential, kept in the state directory (0600)
             admin = admin_token(state, create=True)
@@ -117,42 +121,23 @@ class ParameterServerLogic:
         deadline = time.monotonic() + min(max(0.0, wait), self.cfg.rpc_timeout.total_seconds())
         family = family_of(self.core.session_site(request.session_id))
         header, payload = self.core.wait_model(request, deadline, caller)
-        with self._sending.held(family, self.cfg.rpc_timeout, "downloads", _ended(caller)):
+        with self._sending.held(family, self.cfg.stream_idle_timeout, "downloads", _ended(caller)):
             yield from to_chunks(header, payload, self.cfg.chunk_bytes)
 
     def push_delta(self, chunks: Iterable[m.Chunk], caller: Caller | None = None) -> m.PushReply:
         it = iter(chunks)
-        header, first = first_header(it, self.cfg.max_delta_bytes)
-        if not isinstance(header, m.PushHeader):
-            raise ProtocolError("a push must start with a push header, not a model header")
-        _same_session(header.session_id, caller)
-        session, replay = self.core.begin_push(header)
-        if replay is not None:
-            return replay
-        header = replace(header, session_id=session.handle)  # from here on the session is named, never its secret
-        scratch = None
-        try:
-            family = family_of(session.site)  # a waiting push is held back by flow control, unread
-            with self._receiving.held(family, self.cfg.rpc_timeout, "pushes", _ended(caller)):
-                scratch = None if header.init else self.ingest.take(family)
-                if scratch is not None:
-                    reply = self.ingest.receive(
-                        scratch,
-                        header,
-                        first,
-                        it,
-                        self.core.model.spec,
-                        self.core.journals,
-                        lambda delta, nbytes, staged: self._admit(session, header, delta, nbytes, staged),
-                    )
-                else:
-                    path = self.staging.receive(header, first, it)
-        except BaseException as exc:
-            self.core.end_push(session, header.push_id, refused=isinstance(exc, GeofedError))
-            raise
-        if scratch is not None:
+        if caller is None:  # in process: the pushing session's family is known once the header is read
+            received = self._receive(it, None)
+        else:  # over gRPC the gate proved the session's site: its slot is waited for before any byte is read
+            with self._receiving_slot(caller.principal.site, caller):
+                received = self._receive(it, caller)
+        if isinstance(received, m.PushReply):
+            return received  # a resent push, answered from memory
+        session, header, reply, path = received
+        if reply is not None:  # decoded as it arrived
             self.core.end_push(session, header.push_id, refused=False)
             return self.core.settled(reply, header)
+        assert path is not None
         try:
             reply = self._decoders.submit(self._apply_staged, session, header, path).result()
         except BaseException as exc:
@@ -163,10 +148,50 @@ class ParameterServerLogic:
         self.core.end_push(session, header.push_id, refused=False)
         return self.core.settled(reply, header)
 
+    def _receiving_slot(self, site: str, caller: Caller | None) -> AbstractContextManager[None]:
+        """One of the ps.max_concurrent_pushes pushes read at once: the others wait, held back by flow control, for
+        ps.stream_idle_timeout at most (then RESOURCE_EXHAUSTED with a retry hint: a push that waits holds a handler
+        thread, and no push is kept waiting longer than a stalled one is)."""
+        return self._receiving.held(family_of(site), self.cfg.stream_idle_timeout, "pushes", _ended(caller))
+
+    def _receive(
+        self, it: Iterator[m.Chunk], caller: Caller | None
+    ) -> m.PushReply | tuple[Session, m.PushHeader, m.PushReply | None, Path | None]:
+        """Read a push's header, then its payload: the reply of a resent push, or (session, header, and the reply of
+        a push decoded as it arrived or the staged file of one to decode). Holds a receiving slot while it reads
+        (over gRPC, `caller`'s, taken already)."""
+        header, first = first_header(it, self.cfg.max_delta_bytes)
+        if not isinstance(header, m.PushHeader):
+            raise ProtocolError("a push must start with a push header, not a model header")
+        _same_session(header.session_id, caller)
+        session, replay = self.core.begin_push(header)
+        if replay is not None:
+            return replay
+        header = replace(header, session_id=session.handle)  # from here on the session is named, never its secret
+        try:
+            with self._receiving_slot(session.site, None) if caller is None else nullcontext():
+                family = family_of(session.site)
+                scratch = None if header.init else self.ingest.take(family)
+                if scratch is None:
+                    return session, header, None, self.staging.receive(header, first, it)
+                reply = self.ingest.receive(
+                    scratch,
+                    header,
+                    first,
+                    it,
+                    self.core.model.spec,
+                    self.core.journals,
+                    lambda delta, nbytes, staged: self._admit(session, header, delta, nbytes, staged),
+                )
+                return session, header, reply, None
+        except BaseException as exc:
+            self.core.end_push(session, header.push_id, refused=isinstance(exc, GeofedError))
+            raise
+
     def _apply_staged(self, session: Session, header: m.PushHeader, path: Path) -> m.PushReply:
         """On a decoder thread, holding a decoder slot: decode a verified staged push and hand it to the
         coordinator."""
-        with self.ingest.held():
+        with self.ingest.held() as scratch:
             payload = path.read_bytes()
             if header.init:
                 return self.core.seed_from(session, header, decode_push(payload, header, None))
@@ -174,7 +199,7 @@ class ParameterServerLogic:
             if journaled:
                 sync_file(path)  # on disk before the journal may take it (outside the lock)
             nbytes = len(payload)
-            delta = decode_delta(payload, header, self.core.model.spec)
+            delta = decode_delta(payload, header, self.core.model.spec, scratch)  # admitted before the slot frees
             del payload
             return self._admit(session, header, delta, nbytes, path if journaled else None)
 

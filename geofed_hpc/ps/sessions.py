@@ -13,7 +13,7 @@ from typing import Any
 
 from geofed_hpc.errors import AuthError, CheckpointError, ConfigError, LimitError, ProtocolError
 from geofed_hpc.log import logger, quote
-from geofed_hpc.ps.tokens import TokenVerifier, check_site_name, token_hash
+from geofed_hpc.ps.tokens import TokenVerifier, check_site_name, family_of, token_hash
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.guard import Principal
 
@@ -106,6 +106,8 @@ class SessionTable:
         self.sessions: dict[str, Session] = {}
         self._by_rejoin: dict[str, str] = {}  # rejoin token hash -> handle
         self._lock = threading.RLock()
+        self._changes = 0  # counts the joins, rejoins, leaves and drops
+        self._several = (False, -1)  # several_families, and the count of changes it was worked out at
 
     # ---------------------------------------------------------------- joining
     def join(self, request: m.JoinRequest) -> tuple[str, str]:
@@ -131,6 +133,7 @@ class SessionTable:
                         request, "rejoin token is unknown or already used: enroll again with the site token"
                     )
                 self._check_revoked(handle, old)
+                self._changes += 1
                 _, credential, old.secret_hash = new_credential(handle)
                 self._set_rejoin(old, token_hash(rejoin))
                 old.last_seen, old.leaving = now, False
@@ -143,6 +146,7 @@ class SessionTable:
             handle, credential, secret_hash = new_credential()
             session = Session(request.site, "", now, token_id=token_id, secret_hash=secret_hash, handle=handle)
             self.sessions[handle] = session
+            self._changes += 1
             self._set_rejoin(session, token_hash(rejoin))
             return credential, rejoin
 
@@ -155,6 +159,7 @@ class SessionTable:
         session = self.sessions.pop(handle, None)
         if session is not None:
             self._by_rejoin.pop(session.rejoin_hash, None)
+            self._changes += 1
 
     def _refused(self, request: m.JoinRequest, why: str) -> AuthError:
         logger.warning(
@@ -230,6 +235,15 @@ class SessionTable:
             session = self.sessions.get(handle) if handle is not None else None
             return Principal("rejoin", session.site, handle) if session is not None and handle is not None else None
 
+    def several_families(self) -> bool:
+        """Sessions of more than one family of sites (a site and its numbered jobs) are live (joined, not left);
+        worked out again only after the table changed."""
+        with self._lock:
+            if self._several[1] != self._changes:
+                families = {family_of(s.site) for s in self.sessions.values() if not s.leaving}
+                self._several = (len(families) > 1, self._changes)
+            return self._several[0]
+
     # ---------------------------------------------------------------- liveness and counters
     def state(self, session: Session) -> str:
         if session.leaving:
@@ -279,6 +293,7 @@ class SessionTable:
         with self._lock:
             session = self.get(credential)
             session.leaving = True
+            self._changes += 1
         logger.info("site %s left", session.site)
 
     def quiet(self) -> None:
@@ -304,6 +319,7 @@ class SessionTable:
             handle = values.pop("id")
             loaded[handle] = Session(last_seen=now, handle=handle, **{k: v for k, v in values.items() if k in names})
         with self._lock:
+            self._changes += 1
             for handle, session in loaded.items():
                 self.sessions[handle] = session
                 if session.rejoin_hash:

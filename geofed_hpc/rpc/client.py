@@ -176,7 +176,7 @@ class PSClient:
                     wait = max(wait, min(hint, MAX_WAIT.total_seconds()))
                 if wait is None:
                     error = self._error(name, exc)
-                    if retryable and backoff.attempts > 1:
+                    if retryable and (backoff.attempts > 1 or hint is not None):  # a busy PS counts as unreachable
                         error = UnavailableError(f"{error} ({backoff.attempts} attempts in {backoff.elapsed:.0f}s)")
                     raise error from None
                 logger.warning(
