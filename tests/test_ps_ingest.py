@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from geofed_hpc.codec import schemes
+from geofed_hpc.codec.stream import Scratch
 from geofed_hpc.errors import CodecError, ProtocolError
 from geofed_hpc.ps.servicer import ParameterServerLogic
 from geofed_hpc.rpc import messages as m
@@ -117,10 +118,10 @@ def test_without_a_free_decoder_slot_a_push_is_staged_and_decoded_once_one_frees
     held = logic.ingest.held
 
     @contextmanager
-    def waits_for_a_slot() -> Iterator[None]:
+    def waits_for_a_slot() -> Iterator[Scratch]:
         waiting.set()
-        with held():
-            yield
+        with held() as scratch:
+            yield scratch
 
     monkeypatch.setattr(logic.ingest, "held", waits_for_a_slot)
     replies: list[m.PushReply] = []

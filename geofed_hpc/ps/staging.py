@@ -16,6 +16,7 @@ import numpy as np
 from geofed_hpc import codec
 from geofed_hpc.ckpt.atomic import PRIVATE_DIR, PRIVATE_FILE
 from geofed_hpc.codec.sparse import SparseTensor
+from geofed_hpc.codec.stream import Scratch
 from geofed_hpc.errors import CodecError, ProtocolError
 from geofed_hpc.log import logger
 from geofed_hpc.paradigms.exchange import Params
@@ -154,11 +155,14 @@ def decode_push(payload: bytes, header: m.PushHeader, expected: dict | None) -> 
         raise ProtocolError(f"delta refused: {exc}") from None
 
 
-def decode_delta(payload: bytes, header: m.PushHeader, expected: dict) -> dict[str, np.ndarray | SparseTensor]:
-    """decode_push for a delta: a sparse one comes as SparseTensors (kept indices and values), never densified."""
+def decode_delta(
+    payload: bytes, header: m.PushHeader, expected: dict, scratch: Scratch | None = None
+) -> dict[str, np.ndarray | SparseTensor]:
+    """decode_push for a delta: a sparse one comes as SparseTensors (kept indices and values), never densified;
+    with `scratch` (a decoder slot's), dense tensors are its reused buffers (use them before the slot is free)."""
     try:
         _check_codec(payload, header)
-        return codec.decode_sparse(payload, expected=expected)
+        return codec.decode_stream(payload, expected, sparse=True, scratch=scratch)[1]
     except CodecError as exc:
         raise ProtocolError(f"delta refused: {exc}") from None
 
