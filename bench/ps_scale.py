@@ -195,7 +195,9 @@ def measure(rule: str, k: int, args: argparse.Namespace, shapes: dict, payloads:
     from geofed_hpc.config import PSConfig
     from geofed_hpc.rpc.client import PSClient
 
-    ps = {"aggregation": "sync", "round_timeout": "30m", "max_staleness": 8, "max_workers": max(16, 3 * k)}
+    ps = {"aggregation": "sync", "round_timeout": "30m", "max_staleness": 8}
+    # every site is on this host, each holding a push and a pull: threads and streams for all of them, and the reserve
+    ps |= {"max_workers": max(16, 3 * k) + PSConfig().reserved_workers, "max_streams_per_peer": max(64, 3 * k)}
     ps |= {"downlink_history": 4, "staging_dir": args.staging, "rpc_timeout": "30m"} | RULES[rule]
     ps |= {"stream_window_bytes": args.window} if args.window >= 0 else {}
     child = PSProcess(ps, {"name": "int8", "block_size": args.block_size})

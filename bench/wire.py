@@ -5,19 +5,19 @@ Full size (~25M parameters):
 Modest (this 2-core development machine):
     python bench/wire.py --params 4e6 --repeats 3 --json wire.json
 
-Both go to one PS process (bench/ps_scale.py --serve): (a) a bare client-streaming method that parses and drops
-1 MiB chunks, (b) PushDelta into a buffered PS that folds every delta (no version bump, so nothing else runs).
-The payload is the encoded delta; its checksum is computed before timing, as a site does before it pushes.
-Per codec also (c) two sites (two threads sharing one channel) pushing at once, push after push, and once
-(d) the bare method carrying the raw float32 bytes of the same parameters. The JSON's top level has, for the first
-codec (int8 by default): int8_params_vs_raw_fp32, its push ingest in parameters/s over (d)'s (>= 1: compression
-never makes the PS slower than shipping fp32), and concurrent_speedup, (c)'s parameters/s over (b)'s, both as
-the steady rate of back-to-back pushes (--repeats of them per site, after one each to warm up); one site and two
-take --rounds turns each, and concurrent_speedup is the median of the turns' ratios (a drift of the machine during
-the run touches both sides of a ratio alike). Rows also carry
-concurrent_speedup_paired: two pushes started together and both awaited, again and again (each pair takes as long
-as its slower push, with one core idle at its end). The PS's CPU time per push, alone and two at once, tells
-contention (it grows) from a machine without free cores (it stays, the wall time grows).
+Both go to one PS process (bench/ps_scale.py --serve): (a) a bare client-streaming method that parses and drops 1
+MiB chunks, (b) PushDelta into a buffered PS that folds every delta (no version bump, so nothing else runs). The
+payload is the encoded delta; its checksum is computed before timing, as a site does before it pushes. Per codec
+also (c) two sites of two clusters (two threads sharing one channel) pushing at once, push after push, and once (d)
+the bare method carrying the raw float32 bytes of the same parameters. The JSON's top level has, for the first codec
+(int8 by default): int8_params_vs_raw_fp32, its push ingest in parameters/s over (d)'s (>= 1: compression never
+makes the PS slower than shipping fp32), and concurrent_speedup, (c)'s parameters/s over (b)'s, both as the steady
+rate of back-to-back pushes (--repeats of them per site, after one each to warm up); one site and two take --rounds
+turns each, and concurrent_speedup is the median of the turns' ratios (a drift of the machine during the run touches
+both sides of a ratio alike). Rows also carry concurrent_speedup_paired: two pushes started together and both
+awaited, again and again (each pair takes as long as its slower push, with one core idle at its end). The PS's CPU
+time per push, alone and two at once, tells contention (it grows) from a machine without free cores (it stays, the
+wall time grows).
 
 What bounds concurrent_speedup on this machine, per row: the pushing side (this process: the two sites' gRPC
 streams) runs on the same cores as the PS, so two pushes at once need (PS + site) CPU per push twice over;
@@ -90,16 +90,16 @@ def own_cpu() -> float:
 
 
 def at_once(fn: Any, sites: int) -> None:
-    """Run fn() on `sites` threads at once and wait for them all."""
+    """Run fn(i) for site i on `sites` threads at once and wait for them all."""
     errors: list[BaseException] = []
 
-    def run() -> None:
+    def run(i: int) -> None:
         try:
-            fn()
+            fn(i)
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
 
-    threads = [threading.Thread(target=run) for _ in range(sites)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(sites)]
     for t in threads:
         t.start()
     for t in threads:
@@ -132,7 +132,7 @@ def steady(push: Any, sites: int, pushes: int) -> float:
     back, after one push each to warm up."""
     at_once(push, sites)
     t0 = time.perf_counter()
-    at_once(lambda: [push() for _ in range(pushes)], sites)
+    at_once(lambda i: [push(i) for _ in range(pushes)], sites)
     return (time.perf_counter() - t0) / pushes
 
 
@@ -150,10 +150,13 @@ def measure(codec_name: str, args: argparse.Namespace) -> dict[str, Any]:
         with PSClient(PSConfig(rpc_timeout="1h"), child.address) as client:
             client.connect()
             seed(client, shapes)
-            session = client.join(m.JoinRequest("wire")).session_id
+            # two sites of two clusters, each its own family (of the PS's two decoders one family streams into one
+            # at a time, so that its pushes, stalled or not, leave the others one)
+            sessions = [client.join(m.JoinRequest(name)).session_id for name in ("wire-east", "wire-west")]
             push = client._calls["PushDelta"]
 
-            def real_push() -> None:
+            def real_push(site: int = 0) -> None:
+                session = sessions[site]
                 header = m.PushHeader(session, 0, 1, 1, codec_name, len(payload), sha, uuid.uuid4().hex)
                 reply = push(to_chunks(header, payload, chunk), timeout=3600, metadata=bearer(session))
                 assert reply.accepted, reply.reason

@@ -41,6 +41,9 @@ def client_options(cfg: PSConfig, keepalive_ms: int = CLIENT_KEEPALIVE_MS) -> li
         ("grpc.enable_http_proxy", 1),  # honour https_proxy / grpc_proxy on compute nodes
         ("grpc.initial_reconnect_backoff_ms", 1_000),
         ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+        # a connection of its own, as a site's process has: gRPC would otherwise let every client of one process share
+        # one connection, and the PS takes SERVER_MAX_STREAMS_PER_CONNECTION streams on each
+        ("grpc.use_local_subchannel_pool", 1),
     ]
 
 
