@@ -26,7 +26,8 @@ each and the cores busy (/proc/stat), and after an attack whose process used 0.2
 with a process that burns as much CPU and calls nothing (--cpu-control): what the attacker's CPU alone does to the
 sites. A note per missed row says what the numbers show: legit calls refused, the attacker's CPU, the PS's CPU, or
 none of these (legit calls waited inside the PS). The baseline is measured once more after every attack
-(baseline_after): the federation recovered, or not.
+(baseline_after): the federation recovered, or not; the none row's p99s pool the calls of both baseline windows
+(the machine drifts over a run of several minutes), its RSS is the first window's.
 """
 
 from __future__ import annotations
@@ -445,17 +446,28 @@ def run_row(
     }
     settle(fed, attack)
     print(f"[{attack}] done: {json.dumps(rows)}", flush=True)
+    details["_window"] = (calls, t2)  # the calls themselves, for a pooled baseline (measure); not in the JSON
     return rows, details
+
+
+def durations(calls: list[dict[str, Any]], kind: str, now: float) -> list[float]:
+    """Seconds each call of `kind` took (one still running at `now` counts with its time so far)."""
+    ends = {c["t"]: c["d"] for c in calls if c["k"] == kind and "d" in c}
+    return [ends.get(c["t"], now - c["t"]) for c in calls if c["k"] == kind and c.get("b")]
+
+
+def p99s(windows: list[tuple[list[dict[str, Any]], float]]) -> dict[str, float | None]:
+    """The p99 of each kind of call over the calls of every window (calls, the window's end)."""
+    out: dict[str, float | None] = {}
+    for key, kind in zip(KEYS, ("join", "push", "pull"), strict=True):
+        times = [d for calls, now in windows for d in durations(calls, kind, now)]
+        out[key] = round(float(np.percentile(times, 99)), 4) if times else None
+    return out
 
 
 def summarize(attack: str, calls: list[dict[str, Any]], now: float, rss: float, versions: int) -> dict[str, Any]:
     """The row: p99 of each kind of call (one still running counts with its time so far)."""
-    row: dict[str, Any] = {"attack": attack}
-    for key, kind in zip(KEYS, ("join", "push", "pull"), strict=True):
-        ends = {c["t"]: c["d"] for c in calls if c["k"] == kind and "d" in c}
-        times = [ends.get(c["t"], now - c["t"]) for c in calls if c["k"] == kind and c.get("b")]
-        row[key] = round(float(np.percentile(times, 99)), 4) if times else None
-    return row | {"ps_rss_mb": round(rss, 1), "versions": versions}
+    return {"attack": attack, **p99s([(calls, now)]), "ps_rss_mb": round(rss, 1), "versions": versions}
 
 
 def count(items: Any) -> dict[str, int]:
@@ -618,6 +630,10 @@ def measure(fed: Federation, args: argparse.Namespace) -> tuple[list[dict], dict
             break
     if fed.ps_alive():  # the baseline again, after every attack: did the federation recover?
         after, details["none_after"] = run_row(fed, "none", args)
+        # the none row's p99s pool both baseline windows: the machine drifts over a run of several minutes
+        rows[0] |= p99s([details["none"]["_window"], details["none_after"]["_window"]])
+    for d in details.values():
+        d.pop("_window", None)
     return rows, details, after
 
 
