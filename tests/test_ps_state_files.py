@@ -345,7 +345,7 @@ def test_the_only_snapshot_missing_a_field_stops_ps_up_in_one_line(tmp_path: Pat
     remeta(only, version=None)
     before = tree(state)
     line = one_line(ps_up(state))
-    assert only.name in line and "'version'" in line and "restore a snapshot" in line
+    assert only.name in line and "'version'" in line and "restore one from a copy" in line
     assert tree(state) == before
 
 
@@ -360,7 +360,7 @@ def test_when_no_snapshot_loads_ps_up_stops_in_one_line_and_keeps_every_file(tmp
     line = one_line(ps_up(state))
     assert "none of the 2 snapshot(s)" in line and "global-000000002.gft is truncated" in line
     assert "global-000000000.gft has a malformed meta field 'push_ids'" in line
-    assert "restore a snapshot from a copy, or move them out of" in line
+    assert "restore one from a copy, or move them out of" in line
     assert tree(state) == before  # the snapshots and the journal are all still there, untouched
 
 

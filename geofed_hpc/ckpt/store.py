@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from geofed_hpc.ckpt.atomic import PRIVATE_FILE, clean_temp_files, private_dirs
+from geofed_hpc.ckpt.atomic import PRIVATE_FILE, clean_temp_files, private_dirs, set_aside
 from geofed_hpc.ckpt.tensorfile import SUFFIX, load_tensors, problem, save_tensors
 from geofed_hpc.errors import CheckpointError, ConfigError
 from geofed_hpc.log import logger
@@ -105,6 +105,25 @@ class CheckpointStore:
             except ValueError as e:
                 unreadable.append((path, str(e)))
         return None, unreadable
+
+    def load_or_set_aside(
+        self, check: Callable[[Path, dict[str, np.ndarray], dict[str, Any]], T], aside: Path, what: str, fresh: str
+    ) -> tuple[T, Path] | None:
+        """load_newest for state that must never be lost: the newer files that do not load are moved to `aside`, an
+        error line each, and when files exist and none loads, CheckpointError naming each and what is wrong, nothing
+        moved (`what`: what the files are, "snapshots of ..."; `fresh`: what moving them away starts afresh)."""
+        loaded, unreadable = self.load_newest(check)
+        if loaded is None and unreadable:
+            reasons = "; ".join(f"{path.name} {why}" for path, why in unreadable)
+            raise CheckpointError(
+                f"none of the {len(unreadable)} {what} in {self.directory} can be read ({reasons}); the PS does not "
+                f"start, so that nothing is lost: restore one from a copy, or move them out of {self.directory} to "
+                f"start {fresh}"
+            )
+        for path, why in unreadable:
+            where = set_aside(path, aside)
+            logger.error("%s %s; set aside as %s, the PS starts from an older one", path, why, where)
+        return loaded
 
     def load_latest(self) -> tuple[dict[str, np.ndarray], dict[str, Any], Path] | None:
         """(tensors, meta, path) of the newest checkpoint that loads cleanly; corrupt files are skipped with a

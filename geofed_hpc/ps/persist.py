@@ -12,7 +12,6 @@ from typing import Any, TypeGuard
 import numpy as np
 
 from geofed_hpc.ckpt import CheckpointStore, load_tensors
-from geofed_hpc.ckpt.atomic import set_aside
 from geofed_hpc.errors import CheckpointError
 from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
@@ -67,18 +66,8 @@ class Snapshots:
         """The newest snapshot that loads and whose fields are well-formed (None: there is none). Newer ones that do
         not are set aside with an error line each; when snapshots exist and none loads, CheckpointError naming each
         and what is wrong, and nothing is moved."""
-        loaded, unreadable = self.store.load_newest(_state)
-        if loaded is None and unreadable:
-            what = "; ".join(f"{path.name} {why}" for path, why in unreadable)
-            raise CheckpointError(
-                f"none of the {len(unreadable)} snapshot(s) in {self.store.directory} can be read ({what}); the PS "
-                f"does not start, so that nothing is lost: restore a snapshot from a copy, or move them out of "
-                f"{self.store.directory} to start with no model (its journal is then set aside, not replayed)"
-            )
-        for path, why in unreadable:
-            where = set_aside(path, self.aside)
-            logger.error("snapshot %s %s; set aside as %s, the PS starts from an older one", path, why, where)
-        return loaded
+        fresh = "with no model (its journal is then set aside, not replayed)"
+        return self.store.load_or_set_aside(_state, self.aside, "snapshot(s)", fresh)
 
 
 def _state(path: Path, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> PSState:

@@ -119,6 +119,8 @@ class _Observed:
 
 Parse = Callable[[bytes], Any]
 """Request bytes to a dataclass (rpc.serde.deserializer): ProtocolError for bytes that do not parse."""
+Answer = Callable[[Caller, Progress | None], Any]
+"""What a call does once admitted, given its Caller and its progress record (streams the watchdog watches)."""
 _END = object()
 
 
@@ -207,72 +209,62 @@ class _Route:
 
     def _unary(self, principal: Principal, credential: str) -> Callable[[bytes, grpc.ServicerContext], Any]:
         def call(raw: bytes, context: grpc.ServicerContext) -> Any:
-            obs = _Observed(self.name, self.on_rpc)
-            try:
-                with self.admitted(context, principal, credential) as (caller, _):
-                    return self.fn(self.parse(raw), caller)
-            except Exception as exc:  # noqa: BLE001 - every failure becomes a status, never a crash
-                obs.failed(exc)
-                _abort(context, self.name, exc)
-            finally:
-                obs.done()
+            return self._answer(context, principal, credential, lambda c, _: self.fn(self.parse(raw), c))
+
+        return call
+
+    def _client(self, principal: Principal, credential: str) -> Callable[..., Any]:
+        def call(requests: Iterator[bytes], context: grpc.ServicerContext) -> Any:
+            return self._answer(context, principal, credential, lambda c, p: self.fn(self._requests(requests, p), c))
 
         return call
 
     def _server(self, principal: Principal, credential: str) -> Callable[..., Iterator[Any]]:
         def call(raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
-            obs = _Observed(self.name, self.on_rpc)
-            try:
-                with self.admitted(context, principal, credential) as (caller, progress):
-                    yield from self._responses(self.fn(self.parse(raw), caller), progress)
-            except Exception as exc:  # noqa: BLE001
-                obs.failed(exc)
-                _abort(context, self.name, exc)
-            except BaseException as exc:  # GeneratorExit: the client cancelled the stream
-                obs.failed(exc)
-                raise
-            finally:
-                obs.done()
-
-        return call
-
-    def _client(self, principal: Principal, credential: str) -> Callable[..., Any]:
-        def call(request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Any:
-            obs = _Observed(self.name, self.on_rpc)
-            try:
-                with self.admitted(context, principal, credential) as (caller, progress):
-                    return self.fn(self._requests(request_iterator, progress), caller)
-            except grpc.RpcError as exc:  # the client went away mid-stream (or the watchdog ended the call)
-                obs.failed(exc)
-                _abort(context, self.name, UnavailableError(f"stream broken by the client: {exc}"))
-            except Exception as exc:  # noqa: BLE001
-                obs.failed(exc)
-                _abort(context, self.name, exc)
-            finally:
-                obs.done()
+            return self._stream(context, principal, credential, lambda c, _: self.fn(self.parse(raw), c))
 
         return call
 
     def _bidi(self, principal: Principal, credential: str) -> Callable[..., Iterator[Any]]:
-        def call(request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
-            obs = _Observed(self.name, self.on_rpc)
-            try:
-                with self.admitted(context, principal, credential) as (caller, progress):
-                    answers = self.fn(self._requests(request_iterator, progress), caller)
-                    yield from self._responses(answers, progress)
-            except grpc.RpcError as exc:  # the client went away mid-stream
-                obs.failed(exc)
-                _abort(context, self.name, UnavailableError(f"stream broken by the client: {exc}"))
-            except Exception as exc:  # noqa: BLE001
-                obs.failed(exc)
-                _abort(context, self.name, exc)
-            except BaseException as exc:  # GeneratorExit: the client cancelled the stream
-                obs.failed(exc)
-                raise
-            finally:
-                obs.done()
+        def call(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
+            return self._stream(context, principal, credential, lambda c, p: self.fn(self._requests(requests, p), c))
 
         return call
+
+    def _answer(self, context: grpc.ServicerContext, principal: Principal, credential: str, answer: Answer) -> Any:
+        """One reply: `answer(caller, progress)` run for the admitted call; every failure becomes a status."""
+        obs = _Observed(self.name, self.on_rpc)
+        try:
+            with self.admitted(context, principal, credential) as (caller, progress):
+                return answer(caller, progress)
+        except grpc.RpcError as exc:  # the client went away mid-stream (or the watchdog ended the call)
+            obs.failed(exc)
+            _abort(context, self.name, UnavailableError(f"stream broken by the client: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status, never a crash
+            obs.failed(exc)
+            _abort(context, self.name, exc)
+        finally:
+            obs.done()
+
+    def _stream(
+        self, context: grpc.ServicerContext, principal: Principal, credential: str, answer: Answer
+    ) -> Iterator[Any]:
+        """A stream of replies: those of `answer(caller, progress)` for the admitted call, as `_answer` does."""
+        obs = _Observed(self.name, self.on_rpc)
+        try:
+            with self.admitted(context, principal, credential) as (caller, progress):
+                yield from self._responses(answer(caller, progress), progress)
+        except grpc.RpcError as exc:  # the client went away mid-stream
+            obs.failed(exc)
+            _abort(context, self.name, UnavailableError(f"stream broken by the client: {exc}"))
+        except Exception as exc:  # noqa: BLE001
+            obs.failed(exc)
+            _abort(context, self.name, exc)
+        except BaseException as exc:  # GeneratorExit: the client cancelled the stream
+            obs.failed(exc)
+            raise
+        finally:
+            obs.done()
 
 
 class _Gate(grpc.GenericRpcHandler):

@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 
 from geofed_hpc.ckpt import CheckpointStore
-from geofed_hpc.ckpt.atomic import set_aside
 from geofed_hpc.errors import CheckpointError
 from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
@@ -29,17 +28,8 @@ class SplitSnapshots:
     def load(self) -> tuple[dict[str, np.ndarray], dict[str, Any], Path] | None:
         if self.store is None or self.aside is None:
             return None
-        loaded, unreadable = self.store.load_newest(_numbered)
-        if loaded is None and unreadable:
-            what = "; ".join(f"{path.name} {why}" for path, why in unreadable)
-            raise CheckpointError(
-                f"none of the {len(unreadable)} snapshot(s) of the server part in {self.store.directory} can be "
-                f"read ({what}); the PS does not start, so that nothing is lost: restore one from a copy, or move "
-                f"them out of {self.store.directory} to start the server part afresh"
-            )
-        for path, why in unreadable:
-            where = set_aside(path, self.aside)
-            logger.error("snapshot %s %s; set aside as %s, the server part starts from an older one", path, why, where)
+        what = "snapshot(s) of the server part"
+        loaded = self.store.load_or_set_aside(_numbered, self.aside, what, "the server part afresh")
         if loaded is None:
             return None
         (tensors, meta), path = loaded
