@@ -159,15 +159,23 @@ def test_a_cancelled_long_poll_returns_at_once_and_a_waiting_push_stops_waiting(
     session = logic.join(m.JoinRequest("osc")).session_id
     init(logic, session)
     who = caller("StreamModel", Principal("session", "osc", handle_of(session)), credential=session)
-    got: list[m.Chunk] = []
-    poll = threading.Thread(target=lambda: got.extend(logic.stream_model(m.ModelRequest(session, 99, 60.0), who)))
+    ended: list[BaseException] = []
+
+    def long_poll() -> None:
+        try:
+            list(logic.stream_model(m.ModelRequest(session, 99, 60.0), who))
+        except UnavailableError as exc:
+            ended.append(exc)
+
+    poll = threading.Thread(target=long_poll)
     poll.start()
     time.sleep(0.3)
     assert poll.is_alive()  # waiting for version 99, for up to 60 s
     started = time.monotonic()
     who.end()  # the client cancelled: gRPC ends the call
     poll.join(timeout=10)
-    assert not poll.is_alive() and time.monotonic() - started < 5 and got[0].model is not None  # what there is
+    assert not poll.is_alive() and time.monotonic() - started < 5  # at once, not after its 60 s
+    assert "the call ended while it waited" in str(ended[0])  # and no model was made for nobody
     # a push waiting for the one receiving slot stops waiting when its call ends
     held = threading.Semaphore(0)
     with logic._receiving.held("another", timedelta(seconds=1), "pushes"):  # the one receiving slot, taken

@@ -172,7 +172,9 @@ class Coordinator:
                 self._maybe_close()
                 ready = self.model.initialized and self.model.version >= request.min_version
                 left = deadline - time.monotonic()
-                if ready or self._closing or left <= 0 or (caller is not None and caller.ended):
+                if caller is not None and caller.ended:  # nobody to answer: nothing is made for it
+                    raise UnavailableError("the call ended while it waited for a newer version")
+                if ready or self._closing or left <= 0:
                     if not self.model.initialized:
                         raise StaleError("the global model is not initialized yet: push an init first")
                     header, payload = self.model.payload(request)
