@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -368,11 +367,10 @@ def test_long_polls_are_bounded_per_session_and_a_cancelled_one_frees_its_slot_a
         polls = [long_poll() for _ in range(2)]
         wait_for(lambda: edge_streams(edge) == 2, 20, "two long-polls to be waiting")
         assert code_of(long_poll) == CODE.RESOURCE_EXHAUSTED  # ps.max_downloads_per_session=2
-        started = time.monotonic()
         for poll in polls:
             poll.cancel()
+        # freed by the cancel: within 10 s, long before their 25 s wait would have run out
         wait_for(lambda: edge_streams(edge) == 0, 10, "the cancelled long-polls' slots")
-        assert time.monotonic() - started < 20  # freed by the cancel, long before their 25 s wait ran out
         assert code_of(pull, m.ModelRequest(osc.session_id, 0), timeout=10, metadata=auth) == CODE.OK
 
 
