@@ -160,7 +160,10 @@ def compose_config(overrides: list[str]) -> tuple[RunConfig, str]:
 
 
 def _help_text() -> str:
-    lines = ["usage: geofed-hpc COMMAND [key=value ...] [+key=value] [~key] [--cfg] [--dry-run] [--follow] [-q|-v]"]
+    lines = [
+        "usage: geofed-hpc COMMAND [key=value ...] [+key=value] [~key] [--cfg] [--dry-run] [--no-ps-check] [--follow] "
+        "[-q|-v]"
+    ]
     lines += ["       geofed-hpc export hf SRC OUT [--dtype bf16|fp32] [--site NAME] [--force] [key=value ...]"]
     lines += ['       geofed-hpc generate SRC --prompt "..." [--max-new-tokens N] [--temperature T] [--seed S]']
     lines += ["", "commands:"]
@@ -182,6 +185,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config-dir", action="append", default=[], metavar="DIR", help="config files before the others")
     p.add_argument("--dry-run", action="store_true", help="launch: print the sbatch files, submit nothing")
     p.add_argument("--follow", action="store_true", help="logs: keep printing until the jobs end")
+    p.add_argument(
+        "--no-ps-check", action="store_true", help="launch, site check: do not dial the PS first (it comes up later)"
+    )
     p.add_argument("--init-from", metavar="CKPT", default="", help="ps up: seed the global model from CKPT")
     p.add_argument("--ttl", metavar="DURATION", default="", help="token issue: lifetime (30s, 5m, 2h, 7d; 0: forever)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="export hf: the weights' dtype")
@@ -230,7 +236,13 @@ def shard_overrides(counts: list[int], i: int) -> list[str]:
 
 
 def _launch_each(sites: list[str], overrides: list[str], args: argparse.Namespace) -> int:
-    flags = [f for f, on in (("--cfg", args.cfg), ("--dry-run", args.dry_run), ("-q", args.quiet)) if on]
+    switches = (
+        ("--cfg", args.cfg),
+        ("--dry-run", args.dry_run),
+        ("--no-ps-check", args.no_ps_check),
+        ("-q", args.quiet),
+    )
+    flags = [f for f, on in switches if on]
     flags += ["-v"] if args.verbose else []
     flags += [f"--config-dir={d}" for d in args.config_dir]
     per_site = [[f"site={site}" if o.startswith("site=") else o for o in overrides] for site in sites]
@@ -271,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         OPTIONS.token_id = ""
         command, overrides = _split(args.words)
         OPTIONS.dry_run, OPTIONS.follow = args.dry_run, args.follow
+        OPTIONS.ps_check = not args.no_ps_check
         OPTIONS.init_from, OPTIONS.ttl = args.init_from, args.ttl
         OPTIONS.site_given = any(o.startswith(("site=", "site.name=")) for o in overrides)
         OPTIONS.model_given = any(o.startswith(("model=", "model.")) for o in overrides)

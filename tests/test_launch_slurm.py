@@ -177,7 +177,7 @@ def login_env(tmp_path: Path) -> dict[str, str]:
 
 def test_dry_run_prints_one_batch_file_per_site_and_submits_nothing(tmp_path: Path) -> None:
     result = cli(
-        ["launch", "site=osc,tacc", "ps.address=vm.example.org:50051", "--dry-run"],
+        ["launch", "site=osc,tacc", "ps.address=vm.example.org:50051", "--dry-run", "--no-ps-check"],
         tmp_path,
         **login_env(tmp_path),
     )
@@ -192,7 +192,14 @@ def test_dry_run_prints_one_batch_file_per_site_and_submits_nothing(tmp_path: Pa
 
 def test_one_setup_line_given_as_a_string_is_one_line_of_the_batch_file(tmp_path: Path) -> None:
     result = cli(
-        ["launch", "site=osc", "ps.address=vm.example.org:50051", "site.setup=module load cuda", "--dry-run"],
+        [
+            "launch",
+            "site=osc",
+            "ps.address=vm.example.org:50051",
+            "site.setup=module load cuda",
+            "--dry-run",
+            "--no-ps-check",
+        ],
         tmp_path,
         **login_env(tmp_path),
     )
@@ -279,7 +286,9 @@ def test_dry_run_shows_expanded_paths_and_the_federation_settings(tmp_path: Path
     ca.write_text("a CA")
     args = ["launch", "site=tacc", "ps=cloud", "ps.address=vm.example.org:50051", f"ps.ca_file={ca}"]
     result = cli(
-        [*args, "site.token=t0k", "model=tiny_llama", "codec=int4", "--dry-run"], tmp_path, **login_env(tmp_path)
+        [*args, "site.token=t0k", "model=tiny_llama", "codec=int4", "--dry-run", "--no-ps-check"],
+        tmp_path,
+        **login_env(tmp_path),
     )
     assert result.returncode == 0, result.stderr
     head = result.stdout.split("#!/bin/bash", 1)[0]
@@ -295,13 +304,13 @@ def test_dry_run_expands_user_from_the_system_and_names_a_variable_that_is_not_s
     env = {k: v for k, v in os.environ.items() if k not in ("USER", "LOGNAME", "SCRATCH")}
     env["PATH"] = login_env(tmp_path)["PATH"]
     result = subprocess.run(
-        CLI + ["launch", "site=osc", "ps.address=vm.example.org:50051", "--dry-run"],
+        CLI + ["launch", "site=osc", "ps.address=vm.example.org:50051", "--dry-run", "--no-ps-check"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "$USER" not in result.stdout and f"/fs/scratch/PAS0000/{getpass.getuser()}/geofed/runs" in result.stdout
     tacc = subprocess.run(
-        CLI + ["launch", "site=tacc", "ps.address=vm.example.org:50051", "--dry-run"],
+        CLI + ["launch", "site=tacc", "ps.address=vm.example.org:50051", "--dry-run", "--no-ps-check"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
     assert "$SCRATCH is not set here: `launch` refuses it until it is" in tacc.stdout
@@ -319,17 +328,27 @@ def _fake_slurm(folder: Path, partitions: str, accounts: str) -> dict[str, str]:
 
 def test_site_check_runs_the_preflight_alone_and_names_what_slurm_lacks(tmp_path: Path) -> None:
     env = _fake_slurm(tmp_path / "bin", "gpu*\\ndebug\\n", "pas1234\\n")
-    ok = cli(["site", "check", "site=osc", "site.account=PAS1234", "ps.address=127.0.0.1:9"], tmp_path, **env)
+    ok = cli(
+        ["site", "check", "site=osc", "site.account=PAS1234", "ps.address=127.0.0.1:9", "--no-ps-check"],
+        tmp_path,
+        **env,
+    )
     assert ok.returncode == 0, ok.stderr
     lines = ok.stdout.splitlines()
     assert any(line.startswith("ok") and "partition gpu exists" in line for line in lines)
     assert any(line.startswith("ok") and "account PAS1234 is one of alice's" in line for line in lines)
-    assert any(line.startswith("warning") and "nothing answers at 127.0.0.1:9" in line for line in lines)
+    assert any(line.startswith("ok") and "127.0.0.1:9 (not probed: --no-ps-check)" in line for line in lines)
     assert lines[-1] == "site osc: ready to launch"
-    bad = cli(["site", "check", "site=osc", "site.partition=gpux", "ps.address=127.0.0.1:9"], tmp_path, **env)
+    dead = cli(["site", "check", "site=osc", "site.account=PAS1234", "ps.address=127.0.0.1:9"], tmp_path, **env)
+    assert dead.returncode == 2 and "nothing answers at 127.0.0.1:9" in dead.stderr
+    bad = cli(
+        ["site", "check", "site=osc", "site.partition=gpux", "ps.address=127.0.0.1:9", "--no-ps-check"], tmp_path, **env
+    )
     assert bad.returncode == 2 and "\n" not in bad.stderr.strip()
     assert "site.partition: 'gpux' is not a partition here; sinfo lists debug, gpu" in bad.stderr
-    account = cli(["site", "check", "site=osc", "ps.address=127.0.0.1:9"], tmp_path, **env)  # osc's PAS0000
+    account = cli(
+        ["site", "check", "site=osc", "ps.address=127.0.0.1:9", "--no-ps-check"], tmp_path, **env
+    )  # osc's PAS0000
     assert account.returncode == 2 and "site.account: 'PAS0000' is not one of alice's accounts here: pas1234" in (
         account.stderr
     )
@@ -397,7 +416,8 @@ def test_preflight_warns_about_the_ps_with_the_settings_to_add(tmp_path: Path) -
     assert check_ps(plain, "127.0.0.1:0")[0].message.startswith("ps.address: port 0 of '127.0.0.1:0' is out of range")
     loop = check_ps(plain, "127.0.0.1:9")
     assert loop[0].level == "warning" and "is the compute node itself" in loop[0].message
-    assert loop[-1].level == "warning" and "nothing answers at 127.0.0.1:9" in loop[-1].message
+    assert loop[-1].level == "error" and "nothing answers at 127.0.0.1:9" in loop[-1].message
+    assert "--no-ps-check" in loop[-1].message
 
 
 def test_a_failed_job_shows_its_cause_from_its_log(tmp_path: Path) -> None:
@@ -465,4 +485,4 @@ def test_the_preflight_never_loads_torch_on_the_login_node(tmp_path: Path) -> No
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=env
     ).stdout
-    assert out.strip() == "['model'] False"  # init_from (here: no safetensors) checked, torch never imported
+    assert out.strip() == "['model', 'ps'] False"  # init_from (no safetensors) and the PS (none) checked; no torch

@@ -36,7 +36,7 @@ def cmd_launch(cfg: RunConfig) -> int:
     address = "" if cfg.site.embedded_ps else cfg.ps.dial_address()
     if OPTIONS.dry_run:
         print(f"site {cfg.site.name} runs {cfg.site.num_sites} processes here (submitit LocalExecutor): no sbatch file")
-        found = preflight(cfg, run_dir, address)
+        found = preflight(cfg, run_dir, address, probe=OPTIONS.ps_check)
         print("\n".join(f"# {f.line()}" for f in found))
         error = first_error(found)
         if error is not None:
@@ -60,7 +60,11 @@ def cmd_launch(cfg: RunConfig) -> int:
         print(f"parameter server (embedded) on {address}, state in {state_dir}", flush=True)
     else:
         with PSClient(cfg.ps, address) as probe:
-            probe.connect()
+            probe.connect()  # waits up to ps.connect_timeout for a PS that is starting
+        if OPTIONS.ps_check:
+            from geofed_hpc.commands.preflight import dial_each
+
+            _checked(dial_each(cfg, address))  # as each site will: TLS, CA, and site.token shown to the PS
     try:
         launch_local(cfg, address)
     finally:
@@ -90,7 +94,7 @@ def _launch_slurm(cfg: RunConfig) -> int:
     if not OPTIONS.dry_run:
         require_slurm(cfg)  # sbatch and srun: before the slower checks
         writable_dir(run_dir, "site.run_dir" if cfg.site.run_dir else "run_dir")
-    found = preflight(cfg, run_dir, cfg.ps.address)
+    found = preflight(cfg, run_dir, cfg.ps.address, probe=OPTIONS.ps_check)
     if OPTIONS.dry_run:
         print("\n".join(f"# {line}" for line in federation_summary(cfg, run_dir)))
         print("# preflight (`geofed-hpc site check` runs it alone):")
@@ -127,7 +131,7 @@ def cmd_site_check(cfg: RunConfig) -> int:
     else:
         run_dir = Path(cfg.run_dir).expanduser().resolve()
         address = "" if cfg.site.embedded_ps else cfg.ps.dial_address()
-    found = preflight(cfg, run_dir, address)
+    found = preflight(cfg, run_dir, address, probe=OPTIONS.ps_check)
     for f in found:
         print(f.line(), flush=True)
     error = first_error(found)

@@ -8,6 +8,7 @@ import argparse
 OPTIONS = argparse.Namespace(
     dry_run=False,
     follow=False,
+    ps_check=True,
     init_from="",
     ttl="",
     token_id="",

@@ -153,17 +153,20 @@ def check_checkpoints(cfg: RunConfig, run_dir: Path) -> list[Finding]:
 
 
 def check_ps(cfg: RunConfig, address: str, probe: bool = True) -> list[Finding]:
-    """The PS address, the TLS files a site reads, its token, and (`probe`) whether the PS answers as configured."""
-    from geofed_hpc.rpc.tls import diagnose
-
+    """The PS addresses, the TLS files a site reads, its token, and (`probe`) each address dialled as the jobs will
+    dial it: resolved, TLS or plaintext as configured, the CA and client certificate, and `site.token` shown to the
+    PS (a Status call, which consumes nothing). A job that could not join is an error here, before any queue wait."""
     ps, found = cfg.ps, []
     if not address:
         who = "Slurm site jobs" if cfg.site.executor == "slurm" else "site jobs"
         return [Finding("error", "ps", f"ps.address: {who} dial the parameter server; set ps.address=host:port")]
-    try:
-        host, _ = split_host_port(address.split(",")[0])  # several: the nearest PS of a group
-    except ValueError as exc:
-        return [Finding("error", "ps", f"ps.address: {exc}; give the PS's host:port, e.g. ps.address=vm:50051")]
+    addresses = [a.strip() for a in address.split(",") if a.strip()]  # several: the peers of a group, nearest first
+    hosts = []
+    for each in addresses:
+        try:
+            hosts.append(split_host_port(each)[0])
+        except ValueError as exc:
+            return [Finding("error", "ps", f"ps.address: {exc}; give the PS's host:port, e.g. ps.address=vm:50051")]
     if not ps.insecure:
         for key in ("ca_file", "client_cert_file", "client_key_file"):
             value = getattr(ps, key)
@@ -171,27 +174,86 @@ def check_ps(cfg: RunConfig, address: str, probe: bool = True) -> list[Finding]:
                 how = "copy the ca.crt that `geofed-hpc ps init` wrote on the PS" if key == "ca_file" else "copy it"
                 text = f"ps.{key}: {Path(value).expanduser()} does not exist here; {how} to a folder the compute nodes "
                 found.append(Finding("error", "tls", text + f"see and set ps.{key}=PATH"))
-        if not cfg.site.token:
-            text = f"site.token is empty: where the PS issues tokens, run `geofed-hpc token issue site={cfg.site.name}`"
-            found.append(Finding("warning", "token", text + " there and pass site.token=... here"))
-    if host in ("localhost", "127.0.0.1", "::1") and cfg.site.executor == "slurm":
+        found += _certificate_site(cfg)
+    if not cfg.site.token and not ps.insecure:
+        text = f"site.token is empty: where the PS issues tokens, run `geofed-hpc token issue site={cfg.site.name}`"
+        found.append(Finding("warning", "token", text + " there and pass site.token=... here"))
+    if any(h in ("localhost", "127.0.0.1", "::1") for h in hosts) and cfg.site.executor == "slurm":
         text = f"ps.address {address} is the compute node itself for a Slurm job (fine on a one-node test cluster); "
         found.append(Finding("warning", "ps", text + "give the PS's host name or IP address as compute nodes reach it"))
     if any(f.level == "error" for f in found):
         return found
     if not probe:
-        return found + [Finding("ok", "ps", f"{address} (not probed)")]
+        return found + [Finding("ok", "ps", f"{address} (not probed: --no-ps-check)")]
+    dialled = dial_each(cfg, address)
+    if not cfg.site.token and all(f.level == "ok" for f in dialled):
+        found = [f for f in found if f.what != "token"]  # the PS answered without one: it needs none
+    return found + dialled
+
+
+def dial_each(cfg: RunConfig, address: str) -> list[Finding]:
+    """Each address of `address` ("a:port,b:port") dialled as a job dials it (see check_ps)."""
+    addresses = [a.strip() for a in address.split(",") if a.strip()]
+    return [_dial(cfg, each, split_host_port(each)[0]) for each in addresses]
+
+
+NOT_YET = "; start it first, or pass --no-ps-check when it comes up later"
+
+
+def _dial(cfg: RunConfig, address: str, host: str) -> Finding:
+    """One PS address as a job dials it; an error naming the setting to change when the job could not join there."""
+    from geofed_hpc.errors import AuthError, PermissionDeniedError, UnavailableError
+    from geofed_hpc.ps.tokens import admits
+    from geofed_hpc.rpc.client import PSClient
+    from geofed_hpc.rpc.tls import diagnose
+
     try:
         socket.getaddrinfo(host, None)
     except OSError:
-        return found + [Finding("warning", "ps", f"ps.address: host {host!r} does not resolve here; check its name")]
-    why = diagnose(address, ps, PROBE_TIMEOUT)
-    mode = "plaintext" if ps.insecure else "TLS, certificate verified"
-    if not why:
-        return found + [Finding("ok", "ps", f"{address} answers ({mode})")]
-    if why.startswith("nothing answers"):
-        why += "; the jobs retry for ps.connect_timeout when they start"
-    return found + [Finding("warning", "ps", why)]
+        return Finding("error", "ps", f"ps.address: host {host!r} of {address} does not resolve here; check its name")
+    why = diagnose(address, cfg.ps, PROBE_TIMEOUT)
+    if why:
+        return Finding("error", "ps", why + (NOT_YET if why.startswith("nothing answers") else ""))
+    mode = "plaintext" if cfg.ps.insecure else "TLS, certificate verified"
+    try:
+        with PSClient(cfg.ps, address) as client:
+            reply = client.status(cfg.site.token)
+    except AuthError as exc:
+        what = "site.token" if cfg.site.token else "site.token is empty and"
+        return Finding("error", "token", f"{what}: the parameter server at {address} refuses it ({exc})")
+    except PermissionDeniedError as exc:
+        return Finding("error", "tls", f"ps.client_cert_file: the parameter server at {address} refuses it ({exc})")
+    except UnavailableError as exc:
+        return Finding("error", "ps", f"{exc}{NOT_YET}")
+    except GeofedError as exc:
+        return Finding("error", "ps", f"the parameter server at {address} answers Status with an error: {exc}")
+    if reply.caller_site and not admits(reply.caller_site, cfg.site.name):
+        text = f"site.token: is an enrollment token of site {reply.caller_site!r}, not {cfg.site.name!r}: "
+        return Finding("error", "token", text + f"issue one with `geofed-hpc token issue site={cfg.site.name}`")
+    token = "token accepted" if cfg.site.token else "no token needed"
+    return Finding("ok", "ps", f"{address} answers ({mode}; {token}; version {reply.version})")
+
+
+def _certificate_site(cfg: RunConfig) -> list[Finding]:
+    """Under mutual TLS, the client certificate must be issued for this site (the PS binds a certificate to its
+    site's jobs): an error naming both when it is not."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    from geofed_hpc.ps.tokens import admits
+
+    path = Path(cfg.ps.client_cert_file).expanduser() if cfg.ps.client_cert_file else None
+    if path is None or not path.is_file():
+        return []
+    try:
+        cert = x509.load_pem_x509_certificate(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        return [Finding("error", "tls", f"ps.client_cert_file: {path} is not a PEM certificate ({exc})")]
+    names = [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    if names and not any(admits(n, cfg.site.name) for n in names):
+        text = f"ps.client_cert_file: {path} was issued for {', '.join(names)}, not site {cfg.site.name}: on the PS, "
+        return [Finding("error", "tls", text + f"`geofed-hpc ps init ps.tls_sites=[{cfg.site.name}]` issues its own")]
+    return []
 
 
 def check_slurm(cfg: RunConfig, run: Runner = run_command) -> list[Finding]:

@@ -112,6 +112,8 @@ class ParameterServerLogic:
     def status(self, request: m.StatusRequest, caller: Caller | None = None) -> m.StatusReply:
         reply = self.core.status(handles=caller is None or caller.principal.kind == "admin")
         reply.streams = self.gate.streams
+        if caller is not None and caller.principal.kind in ("enroll", "session"):
+            reply.caller_site = caller.principal.site  # what a launch's preflight checks its token against
         return reply
 
     def stream_model(self, request: m.ModelRequest, caller: Caller | None = None) -> Iterator[m.Chunk]:

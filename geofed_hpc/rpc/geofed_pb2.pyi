@@ -235,7 +235,7 @@ class SiteStatus(_message.Message):
     def __init__(self, site: _Optional[str] = ..., session_id: _Optional[str] = ..., pushes: _Optional[int] = ..., last_base_version: _Optional[int] = ..., last_seen_s: _Optional[float] = ..., tokens: _Optional[int] = ..., last_train_loss: _Optional[float] = ..., state: _Optional[str] = ..., last_push_s: _Optional[float] = ..., last_staleness: _Optional[int] = ..., bytes_received: _Optional[int] = ..., version: _Optional[int] = ..., refused: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("version", "initialized", "aggregation", "num_params", "uptime_s", "sites", "pending_deltas", "outer_optimizer", "robust", "active_sites", "snapshot_version", "updates_kept", "pushes_in_flight", "peers", "group_generation", "identical_versions", "allreduce_s", "allreduce_bytes", "allreduce_ago_s", "streams")
+    __slots__ = ("version", "initialized", "aggregation", "num_params", "uptime_s", "sites", "pending_deltas", "outer_optimizer", "robust", "active_sites", "snapshot_version", "updates_kept", "pushes_in_flight", "peers", "group_generation", "identical_versions", "allreduce_s", "allreduce_bytes", "allreduce_ago_s", "streams", "caller_site")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     AGGREGATION_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +256,7 @@ class StatusReply(_message.Message):
     ALLREDUCE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ALLREDUCE_AGO_S_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FIELD_NUMBER: _ClassVar[int]
+    CALLER_SITE_FIELD_NUMBER: _ClassVar[int]
     version: int
     initialized: bool
     aggregation: str
@@ -276,7 +277,8 @@ class StatusReply(_message.Message):
     allreduce_bytes: int
     allreduce_ago_s: float
     streams: int
-    def __init__(self, version: _Optional[int] = ..., initialized: _Optional[bool] = ..., aggregation: _Optional[str] = ..., num_params: _Optional[int] = ..., uptime_s: _Optional[float] = ..., sites: _Optional[_Iterable[_Union[SiteStatus, _Mapping]]] = ..., pending_deltas: _Optional[int] = ..., outer_optimizer: _Optional[str] = ..., robust: _Optional[str] = ..., active_sites: _Optional[int] = ..., snapshot_version: _Optional[int] = ..., updates_kept: _Optional[int] = ..., pushes_in_flight: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., group_generation: _Optional[int] = ..., identical_versions: _Optional[int] = ..., allreduce_s: _Optional[float] = ..., allreduce_bytes: _Optional[int] = ..., allreduce_ago_s: _Optional[float] = ..., streams: _Optional[int] = ...) -> None: ...
+    caller_site: str
+    def __init__(self, version: _Optional[int] = ..., initialized: _Optional[bool] = ..., aggregation: _Optional[str] = ..., num_params: _Optional[int] = ..., uptime_s: _Optional[float] = ..., sites: _Optional[_Iterable[_Union[SiteStatus, _Mapping]]] = ..., pending_deltas: _Optional[int] = ..., outer_optimizer: _Optional[str] = ..., robust: _Optional[str] = ..., active_sites: _Optional[int] = ..., snapshot_version: _Optional[int] = ..., updates_kept: _Optional[int] = ..., pushes_in_flight: _Optional[int] = ..., peers: _Optional[_Iterable[_Union[PeerStatus, _Mapping]]] = ..., group_generation: _Optional[int] = ..., identical_versions: _Optional[int] = ..., allreduce_s: _Optional[float] = ..., allreduce_bytes: _Optional[int] = ..., allreduce_ago_s: _Optional[float] = ..., streams: _Optional[int] = ..., caller_site: _Optional[str] = ...) -> None: ...
 
 class PeerStatus(_message.Message):
     __slots__ = ("address", "member", "version", "digest")

@@ -184,3 +184,4 @@ class StatusReply:
     allreduce_bytes: int = 0
     allreduce_ago_s: float = -1.0
     streams: int = 0
+    caller_site: str = ""  # the site the caller's credential is for (an enrollment token or session); "": any
