@@ -11,6 +11,7 @@ if [ -z "$missing" ]; then log "already installed: $PKGS"; exit 0; fi
 command -v apt-get >/dev/null || die "apt-get not found: install$missing with this system's package manager"
 log "apt-get install:$missing"
 apt-get update -qq
+# shellcheck disable=SC2086  # one argument per package
 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >"$ROOT/apt-install.log" 2>&1 \
   || { tail -20 "$ROOT/apt-install.log"; die "apt-get install failed (full log: $ROOT/apt-install.log)"; }
 log "installed$missing"
