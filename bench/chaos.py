@@ -1,18 +1,27 @@
 """Chaos run: a federation of 3 sites under site kills, PS crashes and a full disk; no delta lost, doubled or diverged.
 
-    python bench/chaos.py --json bench/results/chaos.json --minutes 3   # a fault every ~20 s, ~1 in 4 on the PS
+    python bench/chaos.py --json bench/results/chaos.json --minutes 3   # 9 faults: 5 kills, 2 PS crashes, 2 disk full
 
 A PS (async, a snapshot every 10 versions, the journal on) runs in this process; each site runs as its own process
-(tests/site_worker.py, as a Slurm task runs ClientJob). At exponentially distributed intervals (mean --interval)
-one fault happens, drawn by weight:
-  kill        a random site is SIGKILLed and started again after --restart-delay (checkpoint + live model)
+(tests/site_worker.py, as a Slurm task runs ClientJob). The faults are planned before the run starts, not drawn as
+it goes: --minutes * 60 / --interval of them (at least one of each kind), shared among the kinds by weight
+(--site-kills 3, --ps-crashes 1, --disk-full 1: in 3 minutes at the default 20 s, 5 kills, 2 PS crashes and 2 full
+disks, about 1 in 4 a PS crash), in an order shuffled by --seed, one in each --interval slot at a time jittered
+within it; kills take the sites in turn (shuffled), so every site is killed once before any twice. The plan is
+printed at the start, and the same --seed plans the same run.
+  kill        a site is SIGKILLed and started again after --restart-delay (checkpoint + live model)
   ps-crash    the PS stops dead (no final snapshot, nothing more written: a SIGKILL between snapshots) and a new
               one starts from its state directory; without its journal it would roll back up to 9 versions
-  disk-full   the PS's next file write (journal entry, snapshot or downlink update) fails with ENOSPC
+  disk-full   the PS's next file write (journal entry, snapshot or downlink update) fails with ENOSPC; a round whose
+              update could not be written stays open and is closed again later, with any delta that came meanwhile
 
-The PS records every delta it applies (site, push id, the version it made). Output:
-  kills, ps_crashes, disk_full   faults injected; syncs: deltas applied by the PS
-  versions_continuous     the applied deltas made versions 1..V, each exactly once
+The PS records every delta it applies: its site, its push id and the version its round made (a round closed again
+after a full disk makes one version from several deltas). Output:
+  kills, ps_crashes, disk_full   faults injected (`planned`: the plan per kind); syncs: deltas applied by the PS
+  versions_continuous     the PS's versions are 1..V without a gap, each made by at least one applied delta, each
+                          push id applied once (`continuity`, unit-tested in tests/test_chaos_bench.py); where not,
+                          unmade_versions and stray_versions name the versions; versions_of_several_deltas: rounds
+                          closed again after a full disk
   lost_deltas             pushes a site logged as sent and accepted that the PS never applied
   double_applied          applications of a push id beyond its first
   diverged                pulls after which a site's replica was not the PS's model of that version (model digest)
@@ -30,7 +39,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,25 +81,114 @@ def site_cfg(work: Path, shards: Path) -> dict[str, Any]:
     return to_dict(cfg)
 
 
+KINDS = ("kill", "ps-crash", "disk-full")
+
+
+@dataclass(frozen=True)
+class Fault:
+    at: float  # seconds from the start
+    kind: str  # one of KINDS
+    victim: int = -1  # the site a kill takes (-1: the PS's faults)
+
+
+def plan_faults(minutes: float, interval: float, weights: dict[str, float], seed: int, sites: int) -> list[Fault]:
+    """The run's faults, in time order: minutes * 60 / interval of them, at least one of each kind weighted above 0,
+    shared among the kinds by weight (largest remainder), the order shuffled by `seed`; fault i falls in slot i of
+    equal slots over the run, jittered within its middle 70%; kills take the sites in turn, shuffled."""
+    rng = random.Random(seed)
+    kinds = [k for k in KINDS if weights.get(k, 0) > 0]
+    if not kinds:
+        return []
+    n = max(len(kinds), int(minutes * 60 / interval + 1e-9))
+    total = sum(weights[k] for k in kinds)
+    share = {k: n * weights[k] / total for k in kinds}
+    counts = {k: max(1, int(share[k])) for k in kinds}
+    for k in sorted(kinds, key=lambda k: (counts[k] - share[k], KINDS.index(k))):  # largest remainder first
+        if sum(counts.values()) >= n:
+            break
+        counts[k] += 1
+    while sum(counts.values()) > n:  # the "at least one" of a light kind came out of the heaviest
+        heaviest = max((k for k in kinds if counts[k] > 1), key=lambda k: counts[k] - share[k])
+        counts[heaviest] -= 1
+    order = [k for k in kinds for _ in range(counts[k])]
+    rng.shuffle(order)
+    turns: list[int] = []
+    slot = minutes * 60 / n
+    plan = []
+    for i, kind in enumerate(order):
+        at = (i + 0.5 + rng.uniform(-0.35, 0.35)) * slot
+        victim = -1
+        if kind == "kill":
+            if not turns:
+                turns = rng.sample(range(sites), sites)
+            victim = turns.pop()
+        plan.append(Fault(round(at, 1), kind, victim))
+    return plan
+
+
+@dataclass(frozen=True)
+class Continuity:
+    continuous: bool  # versions 1..final without a gap, each made by at least one delta, each push id once
+    doubled: int  # applications of a push id beyond its first
+    unmade: list[int]  # versions in 1..final that no applied delta made
+    strays: list[int]  # versions deltas are said to have made outside 1..final
+    shared: int  # versions made by several deltas (a round closed again after a full disk)
+
+
+def continuity(rows: list[tuple[str, str, int]], final_version: int) -> Continuity:
+    """Check the PS's applied deltas, (site, push id, version its round made), against its final version: it made
+    versions 1..final_version, each from one round of one or more deltas (a round closed again after a full disk
+    holds all that came meanwhile), and applied each push once."""
+    made = Counter(v for _, _, v in rows)
+    unmade = sorted(set(range(1, final_version + 1)) - set(made))
+    strays = sorted(v for v in made if not 1 <= v <= final_version)
+    doubled = sum(n - 1 for n in Counter(pid for _, pid, _ in rows).values() if n > 1)
+    shared = sum(1 for n in made.values() if n > 1)
+    return Continuity(not unmade and not strays and not doubled, doubled, unmade, strays, shared)
+
+
 class AppliedLog:
-    """Wrap the PS's delta application to record (site, push id, version) of every delta it applies."""
+    """Wrap the PS's rounds to record (site, push id, version made) of every delta it applies: a delta is folded into
+    the open round when its push is accepted, and makes a version when that round closes (then or later: a round
+    whose update could not be written is closed again, maybe with more deltas, maybe by the PS restarted from its
+    journal)."""
 
     def __init__(self, ps: ParameterServer) -> None:
         self.rows: list[tuple[str, str, int]] = []
+        self.sites: dict[str, str] = {}  # push id -> site, of the deltas folded (journaled) so far
         self.watch(ps)
 
     def watch(self, ps: ParameterServer) -> None:
-        """Record what `ps` applies from now on (a restarted PS replays its journal before: not counted again)."""
-        logic = ps.logic
-        original = logic._admit
+        """Record what `ps` applies from now on. A restarted PS replays its journal before: the rounds the crashed one
+        closed, not counted again; the round open at the crash (its update could not be written) is closed as the
+        PS starts when it is ready (async: at once), counted here with the version it made, else when it closes."""
+        core = ps.logic.core
+        done = {pid for _, pid, _ in self.rows}
+        if not core.strategy.count:  # no round open: what was folded and never closed was closed while starting
+            made = [(site, pid, core.model.version) for pid, site in self.sites.items() if pid not in done]
+            self.rows.extend(row for row in made if core.ledger.state(row[1]) == "applied")
+        fold, close, take = core._fold, core._close_round, core.strategy.take
+        taken: list[list[str]] = []
 
-        def recorded(session: Any, header: Any, *rest: Any) -> Any:
-            reply = original(session, header, *rest)
-            if reply.accepted and not reply.duplicate:
-                self.rows.append((session.site, header.push_id, reply.version))
-            return reply
+        def folded(prepared: Any, header: Any, site: str, *rest: Any) -> Any:
+            self.sites[header.push_id] = site
+            return fold(prepared, header, site, *rest)
 
-        logic._admit = recorded  # type: ignore[method-assign]
+        def took() -> Any:
+            totals = take()
+            taken.append(list(totals.push_ids))
+            return totals
+
+        def closed(*args: Any, **kwargs: Any) -> bool:
+            taken.clear()
+            moved = close(*args, **kwargs)
+            if moved and taken:  # the round's deltas made this version
+                self.rows.extend((self.sites.get(pid, "?"), pid, core.model.version) for pid in taken[-1])
+            return moved
+
+        core._fold = folded  # type: ignore[method-assign, assignment]
+        core.strategy.take = took  # type: ignore[method-assign]
+        core._close_round = closed  # type: ignore[method-assign]
 
 
 def crash(ps: ParameterServer, cfg: RunConfig) -> ParameterServer:
@@ -127,7 +225,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, default=Path("chaos.json"))
     p.add_argument("--minutes", type=float, default=3.0)
-    p.add_argument("--interval", type=float, default=20.0, help="mean seconds between faults")
+    p.add_argument("--interval", type=float, default=20.0, help="seconds between planned faults (jittered)")
     p.add_argument("--site-kills", type=float, default=3.0, help="weight of site SIGKILLs among the faults")
     p.add_argument("--ps-crashes", type=float, default=1.0, help="weight of PS crashes (restart from its state)")
     p.add_argument("--disk-full", type=float, default=1.0, help="weight of ENOSPC on the PS's next file write")
@@ -135,7 +233,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     args = p.parse_args()
-    rng = random.Random(args.seed)
+    weights = {"kill": args.site_kills, "ps-crash": args.ps_crashes, "disk-full": args.disk_full}
+    plan = plan_faults(args.minutes, args.interval, weights, args.seed, SITES)
+    planned = Counter(f.kind for f in plan)
     work = args.work or Path(tempfile.mkdtemp(prefix="geofed-chaos-"))
     shards = work / "shards"
     prepare_shards(DataConfig(tokenizer="gpt2", source="bible", max_tokens=200_000, val_fraction=0.05), shards, SITES)
@@ -147,27 +247,26 @@ def main() -> int:
     cfg = site_cfg(work, shards)
     sites = {i: Site(cfg, work / "logs", ps.address, index=i) for i in range(SITES)}
     counts = Counter[str]()
-    weights = {"kill": args.site_kills, "ps-crash": args.ps_crashes, "disk-full": args.disk_full}
-    end = time.monotonic() + args.minutes * 60
-    print(f"chaos: {SITES} sites, {args.minutes:g} min, a fault every ~{args.interval:g}s {weights}; work in {work}")
+    print(f"chaos: {SITES} sites, {args.minutes:g} min, {len(plan)} faults planned, one per ~{args.interval:g}s "
+          f"(seed {args.seed}): {planned['kill']} kills, {planned['ps-crash']} PS crashes, "
+          f"{planned['disk-full']} disk full; work in {work}")  # fmt: skip
+    for f in plan:
+        print(f"  plan t={f.at:6.1f}s {f.kind}" + (f" local-{f.victim}" if f.kind == "kill" else ""), flush=True)
+    start = time.monotonic()
+    end = start + args.minutes * 60
     try:
-        while True:
-            wait = rng.expovariate(1.0 / args.interval)
-            if time.monotonic() + wait >= end:
-                time.sleep(max(0.0, end - time.monotonic()))
-                break
-            time.sleep(wait)
-            fault = rng.choices(list(weights), weights=list(weights.values()))[0]
-            counts[fault] += 1
-            at = f"  t={args.minutes * 60 - (end - time.monotonic()):6.1f}s"
-            if fault == "kill":
-                victim = rng.randrange(SITES)
+        for f in plan:
+            time.sleep(max(0.0, start + f.at - time.monotonic()))  # a kill's restart may run past the next one's time
+            counts[f.kind] += 1
+            at = f"  t={time.monotonic() - start:6.1f}s"
+            if f.kind == "kill":
+                victim = f.victim
                 sites[victim].signal(signal.SIGKILL)
                 sites[victim].wait(timeout=60)
                 print(f"{at} kill local-{victim} (PS version {ps.logic.version})", flush=True)
                 time.sleep(args.restart_delay)
                 sites[victim] = Site(cfg, work / "logs", ps.address, index=victim)
-            elif fault == "ps-crash":
+            elif f.kind == "ps-crash":
                 before = ps.logic.version
                 ps = crash(ps, run_cfg)
                 applied.watch(ps)
@@ -175,15 +274,15 @@ def main() -> int:
             else:
                 faults.install("atomic.write@1=enospc")
                 print(f"{at} disk full for the PS's next write (PS version {ps.logic.version})", flush=True)
+        time.sleep(max(0.0, end - time.monotonic()))
     finally:
         faults.install("")
         for s in sites.values():
             s.close()
         ps.stop()
 
-    versions = sorted(v for _, _, v in applied.rows)
-    continuous = versions == list(range(1, len(versions) + 1)) and ps.logic.version == len(versions)
-    doubled = sum(n - 1 for n in Counter(pid for _, pid, _ in applied.rows).values() if n > 1)
+    check = continuity(applied.rows, ps.logic.version)
+    continuous, doubled = check.continuous, check.doubled
     per_site = Counter(site for site, _, _ in applied.rows)
     rows = {i: site_rows(work, i) for i in range(SITES)}
     # A row with bytes sent is a push the site saw accepted; the PS must hold at least that many from it.
@@ -208,6 +307,11 @@ def main() -> int:
         "claimed_per_site": claimed,
         "minutes": args.minutes,
         "mean_fault_interval_s": args.interval,
+        "planned": {"kills": planned["kill"], "ps_crashes": planned["ps-crash"], "disk_full": planned["disk-full"]},
+        "seed": args.seed,
+        "unmade_versions": check.unmade,
+        "stray_versions": check.strays,
+        "versions_of_several_deltas": check.shared,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"rows": [result]}, indent=1))
@@ -215,7 +319,9 @@ def main() -> int:
     for site in sorted(claimed):
         print(f"{site:<10}{per_site.get(site, 0):>9}{claimed[site]:>9}")
     print(f"kills {counts['kill']}  PS crashes {counts['ps-crash']}  disk full {counts['disk-full']}  "
-          f"syncs {result['syncs']}  versions continuous {continuous}")  # fmt: skip
+          f"syncs {result['syncs']} ({check.shared} version(s) of several deltas)  versions continuous {continuous}"
+          + (f" (made by no delta: {check.unmade}; outside 1..{ps.logic.version}: {check.strays})"
+             if check.unmade or check.strays else ""))  # fmt: skip
     print(f"lost {lost}  double-applied {doubled}  diverged {drifted}  (target: 0, 0 and 0)")
     print(f"validation loss {result['loss_first']:.4f} (first 3 syncs) -> {result['loss_last']:.4f} (last 3)  "
           f"(target: falling); wrote {args.json}")  # fmt: skip
