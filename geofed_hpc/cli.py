@@ -185,6 +185,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config-dir", action="append", default=[], metavar="DIR", help="config files before the others")
     p.add_argument("--dry-run", action="store_true", help="launch: print the sbatch files, submit nothing")
     p.add_argument("--follow", action="store_true", help="logs: keep printing until the jobs end")
+    p.add_argument("--demo", action="store_true", help="launch: a Slurm site may train on the demo corpus (bible)")
     p.add_argument(
         "--no-ps-check", action="store_true", help="launch, site check: do not dial the PS first (it comes up later)"
     )
@@ -283,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         OPTIONS.token_id = ""
         command, overrides = _split(args.words)
         OPTIONS.dry_run, OPTIONS.follow = args.dry_run, args.follow
+        OPTIONS.demo, OPTIONS.command = args.demo, command
         OPTIONS.ps_check = not args.no_ps_check
+        OPTIONS.given = [o.lstrip("+~").split("=", 1)[0] for o in overrides]  # keys set on this command line
         OPTIONS.init_from, OPTIONS.ttl = args.init_from, args.ttl
         OPTIONS.site_given = any(o.startswith(("site=", "site.name=")) for o in overrides)
         OPTIONS.model_given = any(o.startswith(("model=", "model.")) for o in overrides)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -15,7 +16,7 @@ from geofed_hpc.cli import compose_config, config_groups
 from geofed_hpc.config import SiteConfig
 from geofed_hpc.errors import ConfigError, LaunchError
 from geofed_hpc.launch import executor, manifest, slurm
-from geofed_hpc.launch.jobs import jobs_table, log_paths
+from geofed_hpc.launch.jobs import error_cause, jobs_table, log_paths
 
 DATA = Path(__file__).parent / "data" / "sbatch"
 CLI = [sys.executable, "-m", "geofed_hpc.cli"]
@@ -262,8 +263,8 @@ def test_logs_follow_prints_what_the_logs_gain_until_the_jobs_end(
     job = {"s-0": manifest.JobRecord("s-0", "9", "s", "slurm", str(out_log), str(err_log))}
     calls = []
 
-    def states(ids: list[str]) -> dict[str, slurm.JobState]:
-        calls.append(ids)
+    def states(jobs: dict[str, manifest.JobRecord]) -> dict[str, slurm.JobState]:
+        calls.append(list(jobs))
         if len(calls) == 1:  # the job writes while it runs, then ends
             with open(out_log, "a") as f:
                 f.write("step 1\n")
@@ -278,7 +279,7 @@ def test_logs_follow_prints_what_the_logs_gain_until_the_jobs_end(
     text = buf.getvalue()
     assert "before follow" not in text  # only what is new
     assert "==> s-0 job 9 stdout <==\nstep 1\n==> s-0 job 9 stderr <==\nrequeued\n" in text
-    assert text.endswith("all jobs ended: 9\n") and len(calls) == 2
+    assert text.endswith("all jobs ended (job 9)\n") and len(calls) == 2
 
 
 def test_dry_run_shows_expanded_paths_and_the_federation_settings(tmp_path: Path) -> None:
@@ -452,11 +453,11 @@ def test_logs_follow_ends_when_slurm_no_longer_knows_the_jobs(tmp_path: Path, mo
     gone = slurm.JobState("77", "UNKNOWN", "none", "no longer known to squeue, sacct or scontrol")
     monkeypatch.setattr(jobs_mod, "FOLLOW_POLL", timedelta(0))
     buf = io.StringIO()
-    thread = threading.Thread(target=jobs_mod.follow_logs, args=(job, buf, lambda ids: {"77": gone}), daemon=True)
+    thread = threading.Thread(target=jobs_mod.follow_logs, args=(job, buf, lambda jobs: {"77": gone}), daemon=True)
     thread.start()
     thread.join(timeout=10)
     assert not thread.is_alive(), "follow_logs kept waiting for a job Slurm forgot"
-    assert buf.getvalue() == "all jobs ended: 77 (77: no longer known to Slurm)\n"
+    assert buf.getvalue() == "all jobs ended (job 77; 77: no longer known to Slurm)\n"
 
 
 def test_without_slurm_commands_the_host_is_named_not_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -486,3 +487,39 @@ def test_the_preflight_never_loads_torch_on_the_login_node(tmp_path: Path) -> No
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=env
     ).stdout
     assert out.strip() == "['model', 'ps'] False"  # init_from (no safetensors) and the PS (none) checked; no torch
+
+
+def test_a_failed_job_shows_the_first_error_not_what_failed_while_cleaning_up() -> None:
+    log = (
+        'Traceback (most recent call last):\n  File "sync.py", line 9\n'
+        "geofed_hpc.errors.UnavailableError: cannot reach the parameter server at vm:50051 after 30s\n\n"
+        "During handling of the above exception, another exception occurred:\n\n"
+        'Traceback (most recent call last):\n  File "link.py", line 3\n'
+        "ValueError: Cannot invoke RPC: Channel closed!\n"
+    )
+    assert error_cause(log) == "UnavailableError: cannot reach the parameter server at vm:50051 after 30s"
+    later = log + "\nrequeued\nTraceback (most recent call last):\n  File \"x.py\"\nKeyError: 'step'\n"
+    assert error_cause(later) == "KeyError: 'step'"  # a new failure after the first one: the newest
+
+
+@pytest.mark.skipif(shutil.which("squeue") is None, reason="needs Slurm's commands (slurm/install.sh)")
+def test_a_slurm_that_does_not_answer_is_named_not_reported_as_jobs_that_ended(tmp_path: Path) -> None:
+    """squeue with no SLURM_CONF (Slurm installed, not configured) reaches no controller: `logs --follow` and `cancel`
+    say so in one line instead of "all jobs ended"."""
+    from geofed_hpc.launch.manifest import JobRecord, record_jobs
+
+    out = tmp_path / "run" / "jobs" / "slurm_local-0"
+    out.mkdir(parents=True)
+    (out / "5_0_log.out").write_text("step 1\n")
+    job = JobRecord("slurm_local-0", "5", "slurm_local", "slurm", str(out / "5_0_log.out"), str(out / "5_0_log.err"))
+    record_jobs(tmp_path / "run", "geofed", "127.0.0.1:9", "slurm_local", {}, [job])
+    unset = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
+    missing = {**unset, "SLURM_CONF": str(tmp_path / "nowhere" / "slurm.conf")}
+    for env, args in ((unset, ["logs", "--follow"]), (missing, ["cancel"]), (unset, ["cancel"])):
+        result = subprocess.run(
+            CLI + [*args, "site=slurm_local", f"run_dir={tmp_path / 'run'}"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert "Slurm does not answer here" in result.stderr and "SLURM_CONF" in result.stderr
+        assert "all jobs ended" not in result.stdout and "Traceback" not in result.stderr

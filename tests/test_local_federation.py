@@ -43,6 +43,12 @@ def launch(run_dir: Path, cache: Path, max_syncs: int) -> subprocess.CompletedPr
     )
 
 
+def cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "geofed_hpc.cli", *args], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
+
+
 def test_two_sites_lower_the_global_validation_loss_and_resume(tmp_path: Path) -> None:
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     first = launch(run_dir, cache, max_syncs=2)
@@ -61,6 +67,18 @@ def test_two_sites_lower_the_global_validation_loss_and_resume(tmp_path: Path) -
     assert CheckpointStore(run_dir / "ps", prefix="global").latest_step() == 2
     offline = list((run_dir / "metrics" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(offline) == 2
+    # a local launch records itself as a Slurm launch does: `status` and `logs` find its jobs afterwards
+    record = json.loads((run_dir / "launch.json").read_text())
+    assert [j["executor"] for j in record["jobs"]] == ["local", "local"]
+    assert (run_dir / "launch.json").stat().st_mode & 0o777 == 0o600  # it holds the sites' config, tokens included
+    status = cli(["status", f"run_dir={run_dir}"], run_dir.parent)
+    assert status.returncode == 0, status.stderr
+    table = status.stdout.splitlines()
+    assert [line.split()[0] for line in table[1:3]] == ["local-0", "local-1"]
+    assert all(line.split()[-1] == "COMPLETED" for line in table[1:3]), status.stdout
+    assert "embedded in `launch`" in status.stdout and "which has ended" in status.stdout
+    logs = cli(["logs", f"run_dir={run_dir}"], run_dir.parent)
+    assert logs.returncode == 0 and "==> local-0 job" in logs.stdout, logs.stderr
 
     second = launch(run_dir, cache, max_syncs=3)  # PS restores version 2; sites resume from their checkpoints
     assert second.returncode == 0, second.stdout + second.stderr

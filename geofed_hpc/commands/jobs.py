@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,11 @@ from geofed_hpc.config.files import GIVEN_DIRS, conf_dir, user_config_dir
 from geofed_hpc.errors import ConfigError
 from geofed_hpc.log import logger
 from geofed_hpc.paths import writable_dir
+
+# How long `status` of a local run looks for the PS its `launch` embedded (it is gone once that launch ended).
+EMBEDDED_WAIT = timedelta(seconds=2)
+# How long `status` waits for a PS that does not answer (ps.connect_timeout, when given, instead): a person waits.
+STATUS_WAIT = timedelta(seconds=5)
 
 
 def _checked(found: list[Any]) -> None:
@@ -170,17 +176,36 @@ def _launched_jobs(cfg: RunConfig, only_site: bool) -> tuple[Any, dict[str, Any]
     return manifest, jobs
 
 
+def as_launched(cfg: RunConfig, manifest: Any) -> RunConfig:
+    """`cfg` with the PS settings (address, TLS, CA, client certificate) and site.token that `launch` recorded for
+    this site, where this command line does not set them: `status site=osc` dials the PS as osc's jobs do."""
+    from geofed_hpc.config import from_dict, to_dict
+
+    recorded = manifest.configs.get(cfg.site.name) if manifest is not None else None
+    if not isinstance(recorded, dict):
+        return cfg
+    plain = to_dict(cfg)
+    given = set(OPTIONS.given)
+    for key, value in (recorded.get("ps") or {}).items():
+        if f"ps.{key}" not in given and key in plain["ps"]:
+            plain["ps"][key] = value
+    if "site.token" not in given and "token" in (recorded.get("site") or {}):
+        plain["site"]["token"] = recorded["site"]["token"]
+    return from_dict(RunConfig, plain)
+
+
 def cmd_status(cfg: RunConfig) -> int:
+    from geofed_hpc.errors import UnavailableError
     from geofed_hpc.rpc.client import PSClient
 
     manifest, jobs = _launched_jobs(cfg, only_site=False)
+    cfg = as_launched(cfg, manifest)
     if jobs:
         from geofed_hpc.errors import LaunchError
-        from geofed_hpc.launch.jobs import jobs_table
-        from geofed_hpc.launch.slurm import job_states
+        from geofed_hpc.launch.jobs import jobs_table, states_of
 
         try:
-            print(jobs_table(jobs, job_states([j.job_id for j in jobs.values()])))
+            print(jobs_table(jobs, states_of(jobs)))
         except LaunchError as exc:  # not on the cluster: the PS's view still helps
             print(f"site jobs {', '.join(jobs)}: state unknown: {exc}")
         print()
@@ -191,8 +216,16 @@ def cmd_status(cfg: RunConfig) -> int:
             f"ps.address: say where the parameter server listens, e.g. `geofed-hpc status ps.address=vm:50051` "
             f"({where})"
         )
+    embedded = cfg.site.embedded_ps and not cfg.ps.address and manifest is not None
     with PSClient(cfg.ps, address or None) as client:
-        client.connect()
+        try:
+            asked = "ps.connect_timeout" in OPTIONS.given
+            client.connect(EMBEDDED_WAIT if embedded else cfg.ps.connect_timeout if asked else STATUS_WAIT)
+        except UnavailableError:
+            if not embedded:
+                raise
+            print(f"parameter server: embedded in `launch` at {address}, which has ended (it runs while launch does)")
+            return 0
         st = client.status(_status_credential(cfg))
 
     def ago(seconds: float) -> str:
@@ -247,12 +280,19 @@ def _status_credential(cfg: RunConfig) -> str:
 
 
 def cmd_cancel(cfg: RunConfig) -> int:
-    from geofed_hpc.launch.slurm import cancel_jobs, job_states
+    import os
+    import signal
+
+    from geofed_hpc.launch.jobs import states_of
+    from geofed_hpc.launch.slurm import cancel_jobs
 
     _, jobs = _launched_jobs(cfg, only_site=True)
-    states = job_states([j.job_id for j in jobs.values()])
+    states = states_of(jobs)
     live = [j.job_id for j in jobs.values() if states[j.job_id].active]
-    cancel_jobs(live)
+    local = {j.job_id for j in jobs.values() if j.executor == "local"}
+    cancel_jobs([j for j in live if j not in local])
+    for job_id in (j for j in live if j in local):  # its controller hands SIGTERM to the site, as scancel does
+        os.kill(int(job_id), signal.SIGTERM)
     for name, job in jobs.items():
         done = "cancelled (it checkpoints, then ends)" if job.job_id in live else f"already {states[job.job_id].state}"
         print(f"{name}: job {job.job_id} {done}")

@@ -9,6 +9,7 @@ OPTIONS = argparse.Namespace(
     dry_run=False,
     follow=False,
     ps_check=True,
+    given=[],
     init_from="",
     ttl="",
     token_id="",
@@ -22,4 +23,7 @@ OPTIONS = argparse.Namespace(
     temperature=0.0,
     seed=0,
     model_given=False,
+    # --demo: a Slurm site may train on the demo corpus (data.source=bible); the command it was given to
+    demo=False,
+    command="",
 )

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pickle
 import re
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TextIO
@@ -26,13 +27,50 @@ _CAUSE = re.compile(
 )
 
 
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+
+
 def error_cause(text: str) -> str | None:
-    """Why a job failed, from its log or submitit's report: the last exception line (`AuthError: ...`), else None."""
-    for line in reversed(text.splitlines()):
-        match = _CAUSE.match(line.strip())
-        if match:
-            return next(g for g in match.groups() if g).strip(" *")
+    """Why a job failed, from its log or submitit's report, in one line (`AuthError: ...`), else None: Slurm's own
+    verdict when it gave one last; else the first exception of the last traceback, whose chained followers (an
+    error while cleaning up after it) are consequences, not the cause."""
+    lines = [line.strip() for line in text.splitlines()]
+    start, previous = 0, ""
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback (most recent call last)") and not previous.startswith(_CHAINED):
+            start = i  # a new failure, not one chained to the traceback before it
+        if line:
+            previous = line
+    matches = [m for m in map(_CAUSE.match, lines) if m]
+    if matches and matches[-1]["slurm"]:
+        return matches[-1]["slurm"].strip(" *")
+    for match in (m for m in map(_CAUSE.match, lines[start:]) if m):
+        return next(g for g in match.groups() if g).strip(" *")
     return None
+
+
+def local_state(job: JobRecord) -> JobState:
+    """A local site job (submitit's LocalExecutor; its id is its controller's pid): RUNNING while that process runs,
+    else COMPLETED or FAILED as its result file says (UNKNOWN without one: it was killed)."""
+    try:
+        alive = "submitit" in Path(f"/proc/{int(job.job_id)}/cmdline").read_bytes().decode(errors="replace")
+    except (OSError, ValueError):
+        alive = False
+    if alive:
+        return JobState(job.job_id, "RUNNING", "local")
+    result = Path(job.stdout).parent / f"{job.job_id}_0_result.pkl"
+    try:
+        with open(result, "rb") as f:
+            outcome = pickle.load(f)[0]  # our own job's file: ("success" | "error", ...)
+    except (OSError, pickle.UnpicklingError, EOFError, IndexError, TypeError):
+        return JobState(job.job_id, "UNKNOWN", "none", "ended without a result (killed?)")
+    return JobState(job.job_id, "COMPLETED" if outcome == "success" else "FAILED", "local")
+
+
+def states_of(jobs: Mapping[str, JobRecord]) -> dict[str, JobState]:
+    """Each job's state: Slurm's for Slurm jobs, the process's for local ones."""
+    local = {j.job_id: local_state(j) for j in jobs.values() if j.executor == "local"}
+    return {**job_states([j.job_id for j in jobs.values() if j.executor != "local"]), **local}
 
 
 def jobs_table(jobs: Mapping[str, JobRecord], states: Mapping[str, JobState]) -> str:
@@ -76,7 +114,7 @@ def print_logs(jobs: Mapping[str, JobRecord], lines: int = 40, out: TextIO = sys
 def follow_logs(
     jobs: Mapping[str, JobRecord],
     out: TextIO = sys.stdout,
-    states: Callable[[Sequence[str]], Mapping[str, JobState]] = job_states,
+    states: Callable[[Mapping[str, JobRecord]], Mapping[str, JobState]] = states_of,
 ) -> None:
     """Print what the logs gain, like `tail -f`, until every job has ended (or Ctrl-C)."""
     offsets = {path: path.stat().st_size if path.exists() else 0 for _, path in log_paths(jobs)}
@@ -87,7 +125,7 @@ def follow_logs(
         while True:
             ended = False
             if time.monotonic() >= next_check:
-                now = states(ids)
+                now = states(jobs)
                 ended = not any(s.active for s in now.values())
                 forgotten = [j for j, s in now.items() if s.source == "none"]
                 next_check = time.monotonic() + FOLLOW_STATE_EVERY.total_seconds()
@@ -104,8 +142,8 @@ def follow_logs(
                         last_label = label
                     print(new, end="" if new.endswith("\n") else "\n", file=out, flush=True)
             if ended:
-                gone = f" ({', '.join(forgotten)}: no longer known to Slurm)" if forgotten else ""
-                print(f"all jobs ended: {', '.join(ids)}{gone}", file=out, flush=True)
+                gone = f"; {', '.join(forgotten)}: no longer known to Slurm" if forgotten else ""
+                print(f"all jobs ended (job{'s' if len(ids) > 1 else ''} {', '.join(ids)}{gone})", file=out, flush=True)
                 return
             time.sleep(FOLLOW_POLL.total_seconds())
     except KeyboardInterrupt:

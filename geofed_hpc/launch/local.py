@@ -17,6 +17,7 @@ from geofed_hpc.config import RunConfig, to_dict
 from geofed_hpc.errors import LaunchError
 from geofed_hpc.launch import progress
 from geofed_hpc.launch.jobs import error_cause, tail
+from geofed_hpc.launch.manifest import JobRecord, record_jobs
 from geofed_hpc.metrics import read_jsonl
 
 POLL_S = 0.5
@@ -44,6 +45,17 @@ def submit_local_sites(cfg: RunConfig, ps_address: str) -> list[submitit.Job]:
     plain = to_dict(cfg)
     plain["run_dir"] = str(run_dir)
     return [executor.submit(ClientJob(plain, i, ps_address)) for i in range(cfg.site.num_sites)]
+
+
+def record_local(cfg: RunConfig, ps_address: str, jobs: list[submitit.Job]) -> Path:
+    """The run directory's launch.json, as a Slurm launch writes it: `status`, `logs` and `cancel` find these jobs."""
+    records = [
+        JobRecord(
+            f"{cfg.site.name}-{i}", job.job_id, cfg.site.name, "local", str(job.paths.stdout), str(job.paths.stderr)
+        )
+        for i, job in enumerate(jobs)
+    ]
+    return record_jobs(Path(cfg.run_dir).resolve(), cfg.federation, ps_address, cfg.site.name, to_dict(cfg), records)
 
 
 @dataclass
@@ -131,6 +143,7 @@ def follow(jobs: list[submitit.Job], cfg: RunConfig, since: float, out: TextIO =
 def launch_local(cfg: RunConfig, ps_address: str, out: TextIO = sys.stdout) -> list[dict[str, Any]]:
     since = time.time()
     jobs = submit_local_sites(cfg, ps_address)
+    record_local(cfg, ps_address, jobs)
     print(
         f"submitted {len(jobs)} local sites (jobs {', '.join(j.job_id for j in jobs)}); "
         f"logs in {Path(cfg.run_dir).resolve() / 'submitit'}",

@@ -67,11 +67,15 @@ def load_manifest(run_dir: Path) -> Manifest | None:
 
 
 def save_manifest(manifest: Manifest) -> Path:
-    """Write atomically (temp file, then rename) so a reader never sees half a manifest."""
+    """Write atomically (temp file, then rename) so a reader never sees half a manifest; readable by its owner only,
+    since the configs it records hold the sites' tokens."""
     path = manifest_path(Path(manifest.run_dir))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(asdict(manifest), indent=2, sort_keys=True) + "\n")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the configs hold each site's site.token
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(asdict(manifest), indent=2, sort_keys=True) + "\n")
+    os.chmod(tmp, 0o600)
     os.replace(tmp, path)
     return path
 

@@ -142,9 +142,39 @@ def _run(args: Sequence[str]) -> subprocess.CompletedProcess[str] | None:
         return subprocess.run(
             list(args), capture_output=True, text=True, timeout=COMMAND_TIMEOUT.total_seconds(), check=False
         )
-    except subprocess.TimeoutExpired:
-        logger.warning("%s did not answer within %s", args[0], COMMAND_TIMEOUT)
-        return None
+    except subprocess.TimeoutExpired as exc:
+        said = [line.strip() for line in (exc.stderr or b"").decode(errors="replace").splitlines() if line.strip()]
+        raise LaunchError(
+            f"Slurm does not answer here: {args[0]} did not answer within {COMMAND_TIMEOUT}"
+            + (f" ({said[-1]})" if said else "")
+            + "; check SLURM_CONF (the cluster's slurm.conf, or load its Slurm module) and that slurmctld runs; the "
+            "jobs' state is unknown, not ended"
+        ) from None
+
+
+# What Slurm's commands print when they cannot reach the controller at all (no SLURM_CONF, slurmctld down): not a
+# verdict on the jobs, which `status` must not call ended.
+_NO_SLURM = (
+    "fetch_config",
+    "_establish_config_source",
+    "Unable to contact slurm controller",
+    "SLURM_CONF",
+    "Connection refused",
+    "could not open config file",
+    "Zero Bytes were transmitted",
+)
+
+
+def _check_answers(out: subprocess.CompletedProcess[str] | None) -> None:
+    """LaunchError when squeue says that it reached no Slurm controller, naming what it said."""
+    if out is None or out.returncode == 0 and not out.stderr:
+        return
+    said = [line.strip() for line in out.stderr.splitlines() if line.strip()]
+    if any(marker in line for line in said for marker in _NO_SLURM):
+        raise LaunchError(
+            f"Slurm does not answer here ({said[-1]}): check SLURM_CONF (the cluster's slurm.conf, or load its "
+            "Slurm module) and that slurmctld runs; the jobs' state is unknown, not ended"
+        )
 
 
 def job_states(job_ids: Sequence[str]) -> dict[str, JobState]:
@@ -158,7 +188,14 @@ def job_states(job_ids: Sequence[str]) -> dict[str, JobState]:
             "no Slurm command here (squeue, sacct, scontrol are not on PATH): run this on the cluster's login node, "
             "or load its Slurm module first (`module load slurm`)"
         )
+    conf = os.environ.get("SLURM_CONF", "")
+    if conf and not Path(conf).is_file():  # Slurm's commands would retry reading it for a minute
+        raise LaunchError(
+            f"Slurm does not answer here: SLURM_CONF names {conf}, which does not exist; point it at the cluster's "
+            "slurm.conf (or unset it); the jobs' state is unknown, not ended"
+        )
     out = _run(["squeue", "-h", "-t", "all", "-j", ",".join(ids), "-o", "%i|%T|%M|%r"])
+    _check_answers(out)
     for line in out.stdout.splitlines() if out else []:
         parts = line.strip().split("|")
         if len(parts) == 4 and parts[0] in ids:

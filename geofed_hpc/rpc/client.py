@@ -116,13 +116,20 @@ class PSClient:
         return self._connect(timeout)
 
     def _connect(self, timeout: timedelta) -> None:
+        ready = grpc.channel_ready_future(self._channel)  # one watch for all attempts, ended however this ends
+        try:
+            self._await(ready, timeout)
+        finally:
+            ready.cancel()  # a watch left running outlives the channel and dies with a traceback at exit
+
+    def _await(self, ready: grpc.Future, timeout: timedelta) -> None:
         deadline = time.monotonic() + timeout.total_seconds()
         wait, attempt, why = 0.5, 0, None
         while True:
             attempt += 1
             left = deadline - time.monotonic()
             try:
-                grpc.channel_ready_future(self._channel).result(timeout=max(0.0, min(wait * 4, 10.0, left)))
+                ready.result(timeout=max(0.0, min(wait * 4, 10.0, left)))
                 return
             except grpc.FutureTimeoutError:
                 pass
