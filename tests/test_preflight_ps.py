@@ -135,3 +135,29 @@ def test_launch_refuses_before_sbatch(edge: EdgePS, tmp_path: Path) -> None:
     result = subprocess.run(CLI + ["launch", *args], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     refused(result, "enrollment token of site 'tacc', not 'osc'")
     assert not called.exists(), called.read_text()
+
+
+def test_status_of_a_launched_site_dials_the_ps_as_its_jobs_do(edge: EdgePS, tmp_path: Path) -> None:
+    """`status site=osc` alone, after a launch with ps=cloud, the address, CA, token (and client certificate): what
+    launch.json recorded is used, so the README's `status site=osc` works as written."""
+    from geofed_hpc.cli import compose_config
+    from geofed_hpc.config import to_dict
+    from geofed_hpc.launch.executor import site_run_dir
+    from geofed_hpc.launch.manifest import JobRecord, record_jobs
+
+    launched, _ = compose_config([*site_args(edge), f"site.run_dir={tmp_path / 'runs'}"])
+    run_dir = site_run_dir(launched)
+    job = JobRecord("osc-0", "5", "osc", "slurm", str(tmp_path / "o"), str(tmp_path / "e"))
+    record_jobs(run_dir, launched.federation, launched.ps.address, "osc", to_dict(launched), [job])
+    env = {**os.environ, **LOGIN_ENV}
+    status = subprocess.run(
+        CLI + ["status", "site=osc", f"site.run_dir={tmp_path / 'runs'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "osc-0" in status.stdout and "initialized True" in status.stdout
+    wrong = subprocess.run(
+        CLI + ["status", "site=osc", f"site.run_dir={tmp_path / 'runs'}", "site.token=gft_0123456789abcdef_no"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    refused(wrong, "refused")  # what the command line sets still wins over the record
