@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import sys
@@ -58,6 +59,19 @@ COMMANDS = {
     "the PS and its TLS, Slurm's partition and account), one line per check",
 }
 __all__ = ["compose_config", "conf_dir", "config_groups", "main"]
+# Words users type for a command of another name.
+SYNONYMS = {
+    "stop": "cancel",
+    "kill": "cancel",
+    "scancel": "cancel",
+    "submit": "launch",
+    "run": "launch",
+    "start": "launch",
+    "log": "logs",
+    "tail": "logs",
+    "ps start": "ps up",
+    "server": "ps up",
+}
 # Commands whose first plain word (no '=') is the run directory.
 RUN_DIR_ARG = ("report", "wandb sync")
 # Commands whose first plain word is a token id.
@@ -114,7 +128,9 @@ def _hydra_overrides(overrides: list[str]) -> list[str]:
         if key in groups and not ov.is_delete() and not ov.is_add():
             value = ov.value()
             if not isinstance(value, str) or value not in groups[key]:
-                raise ConfigError(f"unknown {key} option {value!r}; valid choices: {', '.join(groups[key])}")
+                close = difflib.get_close_matches(str(value), groups[key], n=1, cutoff=0.6)
+                hint = f"did you mean {key}={close[0]}? " if close else ""
+                raise ConfigError(f"unknown {key} option {value!r}; {hint}valid choices: {', '.join(groups[key])}")
             out.append(text)
         elif ov.type == OverrideType.CHANGE and key.split(".")[0] != "hydra":
             out.append(f"++{text}")
@@ -220,7 +236,14 @@ def _split(words: list[str]) -> tuple[str, list[str]]:
         while len(OPTIONS.paths) < PATH_ARGS.get(command, 0) and rest and "=" not in rest[0] and rest[0][:1] != "~":
             OPTIONS.paths, rest = [*OPTIONS.paths, rest[0]], rest[1:]
         return command, rest
-    raise ConfigError(f"unknown command {' '.join(words[:2])!r}; commands: {', '.join(COMMANDS)} (see --help)")
+    typed = " ".join(w for w in words[:2] if "=" not in w)
+    meant = (
+        SYNONYMS.get(words[0] if words else "")
+        or next(iter(difflib.get_close_matches(typed, COMMANDS, n=1, cutoff=0.6)), None)
+        or next(iter(difflib.get_close_matches(words[0] if words else "", COMMANDS, n=1, cutoff=0.6)), None)
+    )
+    hint = f"did you mean `geofed-hpc {meant}`? " if meant else ""
+    raise ConfigError(f"unknown command {typed!r}; {hint}commands: {', '.join(COMMANDS)} (see --help)")
 
 
 def _site_list(overrides: list[str]) -> list[str]:

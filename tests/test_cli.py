@@ -51,11 +51,17 @@ def test_help_lists_commands_groups_and_options(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["launch", "model=tinyy"], "unknown model option 'tinyy'; valid choices: gpt2_medium"),
+        (
+            ["launch", "model=tinyy"],
+            "unknown model option 'tinyy'; did you mean model=tiny? valid choices: gpt2_medium",
+        ),
         (["lunch"], "unknown command 'lunch'"),
         (["status", "ps.port=x"], "ps.port: expected an integer"),
         (["status", "ps.aggregation=fast"], "ps.aggregation: must be one of sync, async, buffered; got 'fast'"),
-        (["launch", "ps.prot=1"], "unknown key ps.prot; valid keys in ps: address, aggregation,"),
+        (["launch", "ps.prot=1"], "unknown key ps.prot; did you mean ps.port?"),
+        (["launch", "ps.zzz=1"], "unknown key ps.zzz; valid keys in ps: address, aggregation,"),
+        (["launch", "site=osx"], "unknown site option 'osx'; did you mean site=osc?"),
+        (["stop", "site=osc"], "unknown command 'stop'; did you mean `geofed-hpc cancel`?"),
         (["report", "/nonexistent/run"], "no metrics in /nonexistent/run/metrics"),
         (["wandb", "sync", "/nonexistent/run"], "no offline W&B runs under /nonexistent/run"),
     ],

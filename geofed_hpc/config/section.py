@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import typing
 from collections.abc import Callable, Sequence
@@ -86,8 +87,15 @@ def config_error(exc: ValidationError, cls: type) -> ConfigError:
         if key in RENAMED:
             return ConfigError(f"{key}: renamed to {RENAMED[key]}; write that in your site file or override")
         where = key.rpartition(".")[0] or "the top level"
-        valid = ", ".join(sorted(getattr(owner, "__pydantic_fields__", {})))
-        return ConfigError(f"unknown key {key}{_first_leaf(error['input'])}; valid keys in {where}: {valid}")
+        fields = sorted(getattr(owner, "__pydantic_fields__", {}))
+        close = difflib.get_close_matches(key.rpartition(".")[2], fields, n=1, cutoff=0.75)
+        if close:  # a typo: the one key meant, not the whole list
+            meant = f"{where}.{close[0]}" if where != "the top level" else close[0]
+            leaf = _first_leaf(error["input"])
+            return ConfigError(f"unknown key {key}{leaf}; did you mean {meant}{leaf}?")
+        return ConfigError(
+            f"unknown key {key}{_first_leaf(error['input'])}; valid keys in {where}: {', '.join(fields)}"
+        )
     return ConfigError(f"{key or 'config'}: {_describe(error, info)}")
 
 
