@@ -26,7 +26,15 @@ from omegaconf.errors import OmegaConfBaseException
 from geofed_hpc import __version__
 from geofed_hpc.commands import HANDLERS, OPTIONS
 from geofed_hpc.config import RunConfig, from_dict
-from geofed_hpc.config.files import GIVEN_DIRS, conf_dir, config_dirs, config_groups, user_options
+from geofed_hpc.config.files import (
+    GIVEN_DIRS,
+    check_list_items,
+    conf_dir,
+    config_dirs,
+    config_groups,
+    option_file,
+    user_options,
+)
 from geofed_hpc.errors import ConfigError, GeofedError
 from geofed_hpc.log import logger, setup_logging
 from geofed_hpc.paths import describe_os_error
@@ -152,6 +160,8 @@ def _initialize() -> None:
 
 def _yaml_error(exc: yaml.YAMLError) -> ConfigError:
     mark = getattr(exc, "problem_mark", None)
+    if str(getattr(exc, "context", "") or "").startswith("while scanning"):  # the key or quote that never ended
+        mark = getattr(exc, "context_mark", None) or mark
     where = f"{mark.name}:{mark.line + 1}:{mark.column + 1}" if mark is not None else "a config file"
     problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
     return ConfigError(f"{where}: not valid YAML ({problem}); fix that line of the file")
@@ -160,6 +170,12 @@ def _yaml_error(exc: yaml.YAMLError) -> ConfigError:
 def compose_config(overrides: list[str]) -> tuple[RunConfig, str]:
     """Compose the config folders with Hydra's override grammar; return the typed config and its YAML."""
     forced = _hydra_overrides(overrides)
+    groups = config_groups()
+    for o in overrides:  # the files this command line chose: list items YAML would merge silently
+        group, _, option = o.partition("=")
+        path = option_file(group, option) if group in groups and "," not in option else None
+        if path is not None:
+            check_list_items(path)
     GlobalHydra.instance().clear()
     try:
         _initialize()
@@ -321,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cfg:
             print(yaml_text, end="")
             return 0
+        if "run_dir" in OPTIONS.given and "site.run_dir" not in OPTIONS.given and cfg.site.run_dir:
+            cfg = replace(cfg, site=replace(cfg.site, run_dir=""))  # run_dir= typed here beats the site file's root
         verbosity = -1 if args.quiet else 1 if args.verbose else cfg.verbosity
         cfg = replace(cfg, verbosity=verbosity)
         # `launch` and `ps up` print their own progress tables; their info log lines show with -v only.

@@ -235,6 +235,44 @@ def test_a_malformed_site_file_is_one_line_naming_the_file_and_line(tmp_path: Pa
     )
 
 
+@pytest.mark.parametrize(
+    "text, where, problem",
+    [
+        ("name: mine\npartition gpu\naccount: x\n", "2:1", "could not find expected ':'"),  # not line 3
+        ("name: 'mine\npartition: gpu\n", "1:7", "found unexpected end of stream"),  # where the quote opened
+    ],
+)
+def test_a_yaml_error_names_the_line_that_holds_it(text: str, where: str, problem: str, tmp_path: Path) -> None:
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "mine.yaml").write_text(text)
+    result = run(["launch", "site=mine", f"--config-dir={tmp_path}", "--cfg"], cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"geofed-hpc: error: {tmp_path}/site/mine.yaml:{where}: not valid YAML ({problem})")
+
+
+def test_a_list_item_indented_under_the_one_above_is_refused_not_merged(tmp_path: Path) -> None:
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "mine.yaml").write_text(
+        "name: mine\nexecutor: slurm\nembedded_ps: false\npartition: p\nsetup:\n  - module load cuda\n"
+        "   - source ~/venv/bin/activate\n"
+    )
+    result = run(["launch", "site=mine", f"--config-dir={tmp_path}", "--cfg"], cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert f"{tmp_path}/site/mine.yaml:7: this `- ...` item is indented deeper than the one above it" in result.stderr
+    assert "'module load cuda - source ~/venv/bin/activate'" in result.stderr
+
+
+def test_run_dir_on_the_command_line_beats_the_site_files_root(tmp_path: Path) -> None:
+    """osc's site file names a scratch root (site.run_dir); `run_dir=` typed on the command line wins over it, as the
+    refusals that say "give a new run_dir=..." promise."""
+    env = {"SCRATCH": str(tmp_path / "scratch"), "USER": "alice"}
+    args = ["launch", "site=osc", "ps.address=vm.example.org:50051", "--dry-run", "--no-ps-check"]
+    mine = run([*args, f"run_dir={tmp_path / 'mine'}"], cwd=tmp_path, **env)
+    assert f"run directory {tmp_path / 'mine'}" in mine.stdout, mine.stdout + mine.stderr
+    both = run([*args, f"run_dir={tmp_path / 'mine'}", f"site.run_dir={tmp_path / 'root'}"], cwd=tmp_path, **env)
+    assert f"run directory {tmp_path / 'root'}/" in both.stdout, both.stdout + both.stderr  # site.run_dir typed too
+
+
 def test_user_site_files_come_before_the_shipped_ones(tmp_path: Path) -> None:
     xdg, given = tmp_path / "xdg", tmp_path / "given"
     for root, partition in ((xdg / "geofed-hpc", "from-user-dir"), (given, "from-config-dir")):

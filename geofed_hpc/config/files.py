@@ -49,3 +49,33 @@ def user_options(group: str) -> dict[str, Path]:
         for path in sorted((root / group).glob("*.yaml")):
             found.setdefault(path.stem, path)
     return found
+
+
+def check_list_items(path: Path) -> None:
+    """ConfigError naming the line where a list item (`- ...`) of `path` is indented deeper than the item above it:
+    YAML reads it as the rest of that item (`setup: [module load cuda - source venv]`), silently."""
+    import yaml
+
+    from geofed_hpc.errors import ConfigError
+
+    text = path.read_text()
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return  # the composer's own error is reported where the file is read
+    lines = text.splitlines()
+    stack = [root] if root is not None else []
+    while stack:
+        node = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            stack += [v for pair in node.value for v in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                if isinstance(item, yaml.ScalarNode) and item.style is None:
+                    for line in range(item.start_mark.line + 1, item.end_mark.line + 1):
+                        if line < len(lines) and lines[line].lstrip().startswith("- "):
+                            raise ConfigError(
+                                f"{path}:{line + 1}: this `- ...` item is indented deeper than the one above it, so "
+                                f"YAML reads it as part of that item ({item.value!r}); align the dashes"
+                            )
+                stack.append(item)
