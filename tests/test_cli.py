@@ -357,3 +357,13 @@ def test_launching_again_into_a_finished_run_is_refused_naming_what_to_change(tm
     other = run(["launch", f"run_dir={tmp_path}", "model.d_model=32"], cwd=tmp_path)
     assert other.returncode == 2 and "is of another model (model.d_model=" in other.stderr
     assert not (tmp_path / "ps").exists()  # refused before the embedded PS started
+
+
+def test_a_local_dry_run_checks_the_device_the_sites_would_use(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this torch sees a GPU: train.device=cuda is fine here")
+    result = run(["launch", "site=local", "train.device=cuda", "--dry-run"], cwd=tmp_path)
+    assert result.returncode == 2 and "# error    device       train.device=cuda:" in result.stdout
+    assert result.stderr.startswith("geofed-hpc: error: train.device=cuda: this torch") and "CPU-only" in result.stderr

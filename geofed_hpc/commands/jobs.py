@@ -43,6 +43,13 @@ def cmd_launch(cfg: RunConfig) -> int:
     if OPTIONS.dry_run:
         print(f"site {cfg.site.name} runs {cfg.site.num_sites} processes here (submitit LocalExecutor): no sbatch file")
         found = preflight(cfg, run_dir, address, probe=OPTIONS.ps_check)
+        from geofed_hpc.commands.preflight import Finding
+        from geofed_hpc.launch.local import check_local_device
+
+        try:
+            check_local_device(cfg)  # the sites would run here: as launch checks it
+        except ConfigError as exc:
+            found.insert(0, Finding("error", "device", str(exc)))
         print("\n".join(f"# {f.line()}" for f in found))
         error = first_error(found)
         if error is not None:
