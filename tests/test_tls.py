@@ -87,9 +87,13 @@ def test_ps_init_refuses_to_overwrite_keys_unless_asked(tmp_path: Path, capsys: 
     assert ps_init(tmp_path) == 0
     ca_key, server_key = (tmp_path / "ca.key").read_bytes(), (tmp_path / "server.key").read_bytes()
     capsys.readouterr()
-    assert ps_init(tmp_path) == 2
-    assert "ps.tls_overwrite=true" in capsys.readouterr().err
+    assert ps_init(tmp_path) == 0  # run again: nothing to do is success
+    assert "nothing to do: every file exists" in capsys.readouterr().out
     assert (tmp_path / "server.key").read_bytes() == server_key
+    assert ps_init(tmp_path, "ps.tls_names=[vm.example.org]") == 2  # a name the kept certificate lacks
+    err = capsys.readouterr().err
+    assert "ps.tls_names: the server certificate" in err and "does not name vm.example.org" in err
+    assert "ps.tls_overwrite=true" in err
     assert ps_init(tmp_path, "ps.tls_sites=[tacc]") == 0  # a new site certificate; the server's is kept
     assert (tmp_path / "server.key").read_bytes() == server_key and (tmp_path / "sites" / "tacc.key").exists()
     assert ps_init(tmp_path, "ps.tls_overwrite=true") == 0

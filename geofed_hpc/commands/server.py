@@ -84,6 +84,11 @@ def cmd_ps_init(cfg: RunConfig) -> int:
         print(f"wrote {path}")
     for path in result.kept:
         print(f"kept  {path} (exists)")
+    if not result.created:
+        print(
+            "nothing to do: every file exists (keys are never overwritten silently; ps.tls_overwrite=true issues new "
+            f"server and site keys from the same CA; move {f.ca_cert} and {f.ca_key} away for a new CA)"
+        )
     print(describe(f.server_cert))
     print(
         f"\nPS:    geofed-hpc ps up ps=cloud ps.cert_file={f.server_cert} ps.key_file={f.server_key}"

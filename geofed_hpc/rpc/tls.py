@@ -252,13 +252,25 @@ def init_pki(cfg: PSConfig, federation: str) -> InitResult:
         write_pair(cert, key, cert_path, key_path)
         result.created += [cert_path, key_path]
         logger.debug("%s %s certificate %s", "replaced" if state == "replace" else "wrote", who, cert_path)
-    if not result.created:
-        raise ConfigError(
-            f"nothing to do: {', '.join(str(p) for p in result.kept)} already exist and keys are never "
-            "overwritten silently; rerun with ps.tls_overwrite=true to issue new server/site keys "
-            f"(the CA {files.ca_cert} is kept: move it and {files.ca_key} away for a new CA)"
-        )
+    if files.server_cert in result.kept:
+        named = set(_san_names(files.server_cert))
+        missing = [n for n in names if n not in named]
+        if missing:
+            raise ConfigError(
+                f"ps.tls_names: the server certificate {files.server_cert} does not name {', '.join(missing)} (it "
+                f"names {', '.join(sorted(named)) or 'nothing'}); rerun with ps.tls_overwrite=true to issue it anew "
+                "from the same CA"
+            )
     return result
+
+
+def _san_names(path: Path) -> list[str]:
+    """The DNS names and IP addresses a certificate is for."""
+    cert = x509.load_pem_x509_certificate(path.read_bytes())
+    try:
+        return [str(v.value) for v in cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value]
+    except x509.ExtensionNotFound:
+        return []
 
 
 def _issued_by(cert_path: Path, ca: x509.Certificate) -> bool:
