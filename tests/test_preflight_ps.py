@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -156,6 +157,16 @@ def test_status_of_a_launched_site_dials_the_ps_as_its_jobs_do(edge: EdgePS, tmp
     )  # fmt: skip
     assert status.returncode == 0, status.stdout + status.stderr
     assert "osc-0" in status.stdout and "initialized True" in status.stdout
+    with edge.client("tacc") as client:
+        edge.joined(client, "tacc-7")  # joined, never pushed: no loss to show yet
+    time.sleep(3.5)  # nobody heartbeats: every site is quiet after 3 heartbeat intervals of 1s
+    quiet = subprocess.run(
+        CLI + ["status", "site=osc", f"site.run_dir={tmp_path / 'runs'}", "ps.heartbeat_interval=1s"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    rows = {line.split()[0]: line.split() for line in quiet.stdout.splitlines() if line.startswith(("osc-", "tacc-"))}
+    assert rows["tacc-7"][1] == "quiet" and rows["tacc-7"][-3] == "-", quiet.stdout  # loss: none before a push
+    assert rows["osc-0"][1] == "quiet" and rows["osc-0"][-3] != "-", quiet.stdout
     wrong = subprocess.run(
         CLI + ["status", "site=osc", f"site.run_dir={tmp_path / 'runs'}", "site.token=gft_0123456789abcdef_no"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,

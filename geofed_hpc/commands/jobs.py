@@ -252,10 +252,12 @@ def cmd_status(cfg: RunConfig) -> int:
     )
     head = ("site", "state", "version", "pushes", "last push", "stale", "tokens", "received", "loss", "refused", "seen")
     print(f"{head[0]:<16}{head[1]:<8}" + "".join(f"{h:>11}" for h in head[2:]))
+    quiet_after = 3 * cfg.ps.heartbeat_interval.total_seconds()  # a running site is heard from every interval
     for s in sorted(st.sites, key=lambda s: s.site):
         cells = [s.version, s.pushes, ago(s.last_push_s), s.last_staleness, f"{s.tokens:,}", size(s.bytes_received)]
-        cells += [f"{s.last_train_loss:.4f}", s.refused, ago(s.last_seen_s)]
-        print(f"{s.site:<16}{s.state:<8}" + "".join(f"{c!s:>11}" for c in cells))
+        cells += [f"{s.last_train_loss:.4f}" if s.pushes else "-", s.refused, ago(s.last_seen_s)]
+        state = "quiet" if s.state == "active" and s.last_seen_s > quiet_after else s.state  # stopped, or cut off
+        print(f"{s.site:<16}{state:<8}" + "".join(f"{c!s:>11}" for c in cells))
     if st.peers:  # one of a PS group
         members = sum(p.member for p in st.peers)
         rate = st.allreduce_bytes / st.allreduce_s / 1e6 if st.allreduce_s > 0 else 0.0
