@@ -67,6 +67,7 @@ def test_two_sites_lower_the_global_validation_loss_and_resume(tmp_path: Path) -
     assert CheckpointStore(run_dir / "ps", prefix="global").latest_step() == 2
     offline = list((run_dir / "metrics" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(offline) == 2
+    assert not (run_dir / "submitit" / "%j").exists()  # only the jobs' own folders
     # a local launch records itself as a Slurm launch does: `status` and `logs` find its jobs afterwards
     record = json.loads((run_dir / "launch.json").read_text())
     assert [j["executor"] for j in record["jobs"]] == ["local", "local"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import time
@@ -150,4 +151,8 @@ def launch_local(cfg: RunConfig, ps_address: str, out: TextIO = sys.stdout) -> l
         file=out,
         flush=True,
     )
-    return follow(jobs, cfg, since, out)
+    try:
+        return follow(jobs, cfg, since, out)
+    finally:  # submitit also makes its folder pattern, literally and empty, beside each job's own folder
+        with contextlib.suppress(OSError):
+            (Path(cfg.run_dir).resolve() / "submitit" / "%j").rmdir()
