@@ -280,6 +280,7 @@ def _launch_each(sites: list[str], overrides: list[str], args: argparse.Namespac
         ("--cfg", args.cfg),
         ("--dry-run", args.dry_run),
         ("--no-ps-check", args.no_ps_check),
+        ("--demo", args.demo),
         ("-q", args.quiet),
     )
     flags = [f for f, on in switches if on]

@@ -113,7 +113,7 @@ def cli(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
 
 
 def launch(args: list[str], cwd: Path) -> dict[str, JobRecord]:
-    result = cli(["launch", "site=slurm_local", *args], cwd, **INHERITED)
+    result = cli(["launch", "site=slurm_local", "--demo", *args], cwd, **INHERITED)
     assert result.returncode == 0, result.stdout + result.stderr
     manifest = load_manifest(Path(next(a[8:] for a in args if a.startswith("run_dir="))))
     assert manifest is not None

@@ -1,4 +1,4 @@
-"""Keep the k checkpoints with the lowest evaluation loss: hard links (copies across file systems) plus an index."""
+"""Keep the k checkpoints with the lowest evaluation loss: files of their own (or links) plus an index."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from geofed_hpc.ckpt.atomic import atomic_write_bytes
@@ -43,19 +44,27 @@ class BestCheckpoints:
     def offer(self, checkpoint: Path, loss: float, step: int, name: str | None = None) -> bool:
         """Keep `checkpoint` (linked as `name`, by default its own name) if its loss is among the best `keep`;
         drop the one it displaces. True if kept."""
+
+        def link(target: Path) -> None:
+            try:
+                os.link(checkpoint, target)
+            except OSError:
+                shutil.copy2(checkpoint, target)
+
+        return self.admit(name or checkpoint.name, loss, step, link)
+
+    def admit(self, name: str, loss: float, step: int, write: Callable[[Path], object]) -> bool:
+        """Keep a checkpoint named `name` if its loss is among the best `keep`: `write(path)` writes it there (a
+        site writes the weights alone); drop the one it displaces. True if kept."""
         if self.keep == 0 or not math.isfinite(loss):
             return False
-        name = name or checkpoint.name
         entries = [e for e in self.entries() if e["file"] != name]
         if len(entries) >= self.keep and loss >= entries[-1]["loss"]:
             return False
         self.directory.mkdir(parents=True, exist_ok=True)
         target = self.directory / name
         target.unlink(missing_ok=True)
-        try:
-            os.link(checkpoint, target)
-        except OSError:
-            shutil.copy2(checkpoint, target)
+        write(target)
         entries = sorted([*entries, {"file": name, "loss": float(loss), "step": int(step)}], key=lambda e: e["loss"])
         for dropped in entries[self.keep :]:
             (self.directory / dropped["file"]).unlink(missing_ok=True)

@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 
 from geofed_hpc.ckpt import CheckpointStore, atomic_write_bytes
+from geofed_hpc.ckpt.atomic import PRIVATE_FILE, private_dirs
 from geofed_hpc.ckpt.best import BestCheckpoints
-from geofed_hpc.ckpt.tensorfile import load_tensors
+from geofed_hpc.ckpt.tensorfile import load_tensors, save_tensors
 from geofed_hpc.client.deferred import Deferred
 from geofed_hpc.client.evaluation import Evaluation
 from geofed_hpc.client.group import SiteGroup
@@ -24,6 +25,7 @@ from geofed_hpc.client.sharded import ShardIndex, new_stamp, shard_meta, stamp_o
 from geofed_hpc.client.uplink import Uplink
 from geofed_hpc.config import RunConfig
 from geofed_hpc.config.run import model_shape, shape_difference
+from geofed_hpc.config.train import KEEP_LATEST
 from geofed_hpc.data import BatchSampler
 from geofed_hpc.data.squad import QASampler
 from geofed_hpc.errors import CheckpointError
@@ -68,12 +70,13 @@ class SiteParts:
 
 
 class SiteCheckpoints:
-    """Writes and reads the site's checkpoints in `directory` (site-<syncs>.gft, the two latest kept; the
-    train.keep_best lowest validation losses in best/). Every part's state goes in through its public fields."""
+    """Writes and reads the site's checkpoints in `directory` (site-<syncs>.gft, the two latest kept, each with all
+    a resume needs; the train.keep_best lowest validation losses in best/, the model's weights only). Every part's
+    state goes in through its public fields."""
 
     def __init__(self, cfg: RunConfig, directory: Path, parts: SiteParts, job_id: str) -> None:
         self.cfg, self.parts, self.job_id = cfg, parts, job_id
-        self.store = CheckpointStore(directory, prefix="site", keep=2)
+        self.store = CheckpointStore(directory, prefix="site", keep=KEEP_LATEST)
         self.best = BestCheckpoints(directory / "best", keep=cfg.train.keep_best)
         self.index = ShardIndex(directory)  # multi-rank sites: the DCP shard folders each file refers to
         parts.group.shard_root = directory
@@ -153,28 +156,42 @@ class SiteCheckpoints:
         if shards:
             self.index.settle(path.name, shards["dir"])
         if meta["global_model"] and p.evaluation.version == p.replica.version:  # val_loss is this model's
-            self.offer_best(path, p.evaluation.val_loss, syncs, shards=shards)
+            self.keep_best(p.evaluation.val_loss, syncs, path.name, global_model=True)
         what = f", {pending['steps']:g} unpushed steps" if pending else ", after a push" if pushed else ""
         logger.info("%s: checkpoint %s (version %d, %d syncs%s)", p.replica.name, path, p.replica.version, syncs, what)
         return path
 
-    def offer_best(
-        self, path: Path, loss: float, step: int, name: str | None = None, shards: dict[str, Any] | None = None
-    ) -> bool:
-        """Offer checkpoint `path` to the best ones (train.keep_best); its shards stay while it is kept."""
-        name = name or path.name
-        if shards is None and self.parts.group.multi:
-            shards = self._shards_of(path)
-        if shards:
-            self.index.add(f"best/{name}", shards["dir"])
-        kept = self.best.offer(path, loss, step, name=name)
-        if shards:
-            self.index.settle(f"best/{name}", shards["dir"])
+    def keep_best(self, loss: float, step: int, name: str, global_model: bool) -> bool:
+        """Keep the model as it is now among the best (train.keep_best) as `name` when `loss` is among the lowest:
+        its weights only (the optimizer state, sampler and unpushed work are the latest checkpoints'), model/<param>
+        tensors in the file, or a shard folder of the weights that the file names in a multi-rank site."""
+        if not self.best.would_keep(loss):
+            return False
+        p = self.parts
+        meta = {
+            "version": p.replica.version,
+            "syncs": p.progress.syncs,
+            "tokens_seen": p.progress.tokens_seen,
+            "val_loss": loss,
+            "job_id": self.job_id,
+            "global_model": global_model,  # the PS's model at `version` (else the site's own, mid-interval)
+            "weights_only": True,
+            "model": model_shape(self.cfg),
+        }
+        private_dirs(self.best.directory)
+        if not p.group.multi:
+            weights = {f"model/{k}": v for k, v in p.group.model_arrays().items()}
+            return self.best.admit(
+                name, loss, step, lambda target: save_tensors(target, weights, meta, mode=PRIVATE_FILE)
+            )
+        self.stamp = new_stamp(self.stamp)
+        shards = shard_meta(p.group.save_shards(self.stamp, weights_only=True), p.group.world_size)
+        self.index.add(f"best/{name}", shards["dir"])
+        kept = self.best.admit(
+            name, loss, step, lambda target: save_tensors(target, {}, {**meta, "shards": shards}, mode=PRIVATE_FILE)
+        )
+        self.index.settle(f"best/{name}", shards["dir"])
         return kept
-
-    def _shards_of(self, path: Path) -> dict[str, Any] | None:
-        folders = self.index.read().get(path.name, [])
-        return {"dir": folders[-1]} if folders else None
 
     def load(self, fresh: Callable[[], Params] | None = None) -> Restored | None:
         """Load the newest readable checkpoint into the parts. None: there is none (then `fresh()`, if given, is

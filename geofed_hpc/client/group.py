@@ -175,11 +175,12 @@ class SiteGroup:
         with self._collective(Cmd.GATHER_PARAM, param_names(self.model).index(name)):
             return gather_param(self.model, name)
 
-    def save_shards(self, stamp: int) -> Path:
-        """Every rank writes its shard of the model and optimizer into shard_root/shards-<stamp> (DCP)."""
+    def save_shards(self, stamp: int, weights_only: bool = False) -> Path:
+        """Every rank writes its shard of the model and optimizer (`weights_only`: the model's alone) into
+        shard_root/shards-<stamp> (DCP)."""
         assert self.shard_root is not None
-        with self._collective(Cmd.SAVE_SHARDS, float(stamp)):
-            return save_shards(self.model, self.optimizer, self.shard_root, stamp)
+        with self._collective(Cmd.SAVE_SHARDS, float(stamp), float(weights_only)):
+            return save_shards(self.model, self.optimizer, self.shard_root, stamp, weights_only)
 
     def load_shards(self, stamp: int) -> None:
         """Every rank reads its shard of the model and optimizer from shard_root/shards-<stamp>."""
@@ -297,10 +298,12 @@ class SiteGroup:
                 full_state(self.model)
             elif cmd == Cmd.GATHER_PARAM:
                 gather_param(self.model, param_names(self.model)[int(args[0])])
-            elif cmd in (Cmd.SAVE_SHARDS, Cmd.LOAD_SHARDS):
+            elif cmd == Cmd.SAVE_SHARDS:
                 assert self.shard_root is not None
-                run = save_shards if cmd == Cmd.SAVE_SHARDS else load_shards
-                run(self.model, self.optimizer, self.shard_root, int(args[0]))
+                save_shards(self.model, self.optimizer, self.shard_root, int(args[0]), bool(args[1]))
+            elif cmd == Cmd.LOAD_SHARDS:
+                assert self.shard_root is not None
+                load_shards(self.model, self.optimizer, self.shard_root, int(args[0]))
             elif cmd == Cmd.GATHER_OPTIM:
                 full_optimizer_state(self.model, self.optimizer)
             elif cmd == Cmd.LOAD_MODEL:

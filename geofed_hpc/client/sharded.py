@@ -47,12 +47,17 @@ def new_stamp(last: int = 0) -> int:
     return max(last + 1, int(time.time() * 1000))
 
 
-def save_shards(model: nn.Module, optimizer: torch.optim.Optimizer, root: Path, stamp: int) -> Path:
-    """Every rank writes its shard of the model and the optimizer state (collective); rank 0 then moves the
-    finished folder into place, so a folder named shards-<stamp> is complete."""
+def save_shards(
+    model: nn.Module, optimizer: torch.optim.Optimizer, root: Path, stamp: int, weights_only: bool = False
+) -> Path:
+    """Every rank writes its shard of the model and the optimizer state (`weights_only`: the model's alone, for a
+    best checkpoint) (collective); rank 0 then moves the finished folder into place, so a folder named
+    shards-<stamp> is complete."""
     final = shard_dir(root, stamp)
     tmp = final.with_name(final.name + ".tmp")
-    state: dict[str, Any] = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if not weights_only:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
     dcp.save(state, checkpoint_id=str(tmp))
     if _rank() == 0:
         tmp.rename(final)

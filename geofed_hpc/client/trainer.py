@@ -172,7 +172,7 @@ class SiteTrainer:
             self.progress.tokens_seen += tokens
             self._after_step(steps, loss_sum)
             if eval_every and self.runtime.sampler.draws % eval_every == 0:
-                self._evaluate_local(steps, loss_sum)
+                self._evaluate_local()
             if settings.max_local_steps and steps - held >= settings.max_local_steps:
                 break
             if settings.sync_interval_s > 0 and time.monotonic() >= deadline:
@@ -182,16 +182,15 @@ class SiteTrainer:
         self.lifecycle.enter(Phase.BUSY)
         return steps, loss_sum / steps
 
-    def _evaluate_local(self, steps: int, loss_sum: float) -> None:
-        """train.eval_every: the local model's validation loss. When it is among the train.keep_best lowest, a
-        checkpoint (resumable: the part-interval is kept with its base) joins the best ones."""
+    def _evaluate_local(self) -> None:
+        """train.eval_every: the local model's validation loss. When it is among the train.keep_best lowest, the
+        local model's weights join the best ones (the latest checkpoints stay the ones a resume reads)."""
         loss = self.runtime.group.evaluate()
         draws = self.runtime.sampler.draws
         if self.sync.rec is not None:
             self.sync.rec.log({"val/local_loss": loss, "train/step": draws, "sync/version": self.sync.version})
-        if self.ckpt.best.would_keep(loss):
-            path = self.ckpt.save(pending=self.interval.pending(steps, loss_sum))
-            self.ckpt.offer_best(path, loss, draws, name=f"{path.stem}-step{draws:09d}{path.suffix}")
+        latest = self.ckpt.store.path_for(self.progress.syncs)
+        self.ckpt.keep_best(loss, draws, f"{latest.stem}-step{draws:09d}{latest.suffix}", global_model=False)
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from geofed_hpc.ckpt import CheckpointStore, read_meta
+from geofed_hpc.commands.footprint import check_run
 from geofed_hpc.config import RunConfig
 from geofed_hpc.config.fields import split_host_port
 from geofed_hpc.config.run import shape_difference
@@ -293,6 +294,7 @@ def preflight(cfg: RunConfig, run_dir: Path, address: str, probe: bool = True) -
         found += check_ps(cfg, address, probe)
     if cfg.site.executor == "slurm":
         found += check_slurm(cfg)
+    found += [Finding(*v) for v in check_run(cfg, run_dir)]  # the demo corpus on Slurm; checkpoints vs disk
     return found
 
 

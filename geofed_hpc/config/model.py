@@ -2,14 +2,33 @@
 
 from __future__ import annotations
 
+from dataclasses import field
 from typing import Annotated, Literal
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
-from geofed_hpc.config.fields import check
+from geofed_hpc.config.fields import Duration, check
 from geofed_hpc.config.section import section
 
 Size = Annotated[StrictInt, Field(ge=1)]
+
+
+@section("model.train")
+class ModelTrain:
+    """Run settings that fit the model (a cluster preset's cadence and length). conf/train/demo.yaml takes each one
+    that is set instead of its own value; a `train.KEY=...` given on the command line still wins. Unset (null, as for
+    model=tiny): the demo's value."""
+
+    sync_interval: Duration | None = None
+    """train.sync_interval for this model, e.g. 30m for a billion parameters on a few GPUs."""
+    max_syncs: Annotated[StrictInt, Field(ge=0)] | None = None
+    """train.max_syncs: the syncs the run is planned for (with sync_interval, its length)."""
+    lr: Annotated[StrictFloat, Field(gt=0)] | None = None
+    """train.lr: the AdamW learning rate that fits the model's size."""
+    warmup_steps: Annotated[StrictInt, Field(ge=0)] | None = None
+    """train.warmup_steps."""
+    eval_interval: Duration | None = None
+    """train.eval_interval: evaluations of the global model no more often than this."""
 
 
 @section("model")
@@ -58,6 +77,8 @@ class ModelConfig:
     tokenizer: str = "gpt2"
     """The tokenizer this model's vocabulary belongs to, used when data.tokenizer is empty: gpt2 (shipped), a
     tokenizer.json path, or "" when none is shipped (llama3_1b: give the Llama 3 tokenizer.json)."""
+    train: ModelTrain = field(default_factory=ModelTrain)
+    """Run settings that fit this model (model.train.sync_interval, ...), taken where train.* is not given."""
 
     def __post_init__(self) -> None:
         check(
@@ -89,3 +110,14 @@ class ModelConfig:
     def head_dim(self) -> int:
         """Channels per attention head."""
         return self.d_model // self.n_heads
+
+    def param_count(self) -> int:
+        """The parameters models/ builds for this shape (tied weights once), counted without torch (login nodes)."""
+        d, ff, vocab = self.d_model, self.d_ff, self.vocab_size
+        head = 0 if self.tie_embeddings else vocab * d
+        if self.arch == "gpt2":  # LayerNorms, Linears with biases, learned positions
+            block = 2 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d + (d * ff + ff) + (ff * d + d)
+            return vocab * d + self.context * d + self.n_layers * block + 2 * d + head
+        q, kv = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
+        block = d + d * q + 2 * d * kv + q * d + d + 3 * d * ff  # RMSNorms, attention, SwiGLU; no biases
+        return vocab * d + self.n_layers * block + d + head

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import field, replace
+import math
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,7 +16,20 @@ from geofed_hpc.config.model import ModelConfig
 from geofed_hpc.config.ps import PSConfig
 from geofed_hpc.config.section import section, to_dict
 from geofed_hpc.config.site import SiteConfig
-from geofed_hpc.config.train import DEFAULT_TARGETS, SPLIT_PARADIGMS, DataConfig, ParadigmConfig, TrainConfig
+from geofed_hpc.config.train import (
+    DEFAULT_TARGETS,
+    KEEP_LATEST,
+    SPLIT_PARADIGMS,
+    DataConfig,
+    ParadigmConfig,
+    TrainConfig,
+)
+
+# Bytes per parameter of what a site checkpoints (weights and optimizer state stay float32 whatever the precision).
+WEIGHTS = 4
+OPTIMIZER = 8  # AdamW's two moments
+RESIDUAL = 4  # error feedback: what the codec lost rides on the next push (none with codec=fp32, which loses nothing)
+BASE = 4  # a checkpoint taken with unpushed work (a stop mid-interval) keeps the global model it started from
 
 
 @section("")
@@ -98,7 +113,7 @@ class RunConfig:
 def model_shape(cfg: RunConfig) -> dict[str, Any]:
     """The model config a site checkpoint must match (its name and initial weights do not matter), and the paradigm
     (which adds its adapters to the model)."""
-    shape = {k: v for k, v in to_dict(cfg.model).items() if k not in ("name", "init_from", "tokenizer")}
+    shape = {k: v for k, v in to_dict(cfg.model).items() if k not in ("name", "init_from", "tokenizer", "train")}
     return {**shape, "paradigm": cfg.paradigm.describe()}
 
 
@@ -113,3 +128,96 @@ def shape_difference(cfg: RunConfig, recorded: dict[str, Any] | None) -> tuple[s
         return None
     key = diff[0] if diff[0] == "paradigm" else f"model.{diff[0]}"
     return key, theirs.get(diff[0]), ours.get(diff[0])
+
+
+def size(n: float) -> str:
+    """Bytes as MiB below a GiB, else GiB."""
+    return f"{n / 2**20:.0f} MiB" if n < 2**30 else f"{n / 2**30:.1f} GiB"
+
+
+def duration(delta: timedelta) -> str:
+    """90s, 5m, 6m30s, 2h, 1h30m: how durations are written in the config."""
+    hours, rest = divmod(int(delta.total_seconds()), 3600)
+    minutes, secs = divmod(rest, 60)
+    return (f"{hours}h" if hours else "") + (f"{minutes}m" if minutes else "") + (f"{secs}s" if secs else "") or "0s"
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """A site's checkpoints: KEEP_LATEST full ones (all a resume needs) and train.keep_best of the weights alone."""
+
+    params: int
+    full_per_param: int
+    best_kept: int
+    sites: int
+
+    @property
+    def full(self) -> int:
+        """Bytes of one full checkpoint."""
+        return self.params * self.full_per_param
+
+    @property
+    def weights(self) -> int:
+        """Bytes of one best checkpoint (the weights only)."""
+        return self.params * WEIGHTS
+
+    @property
+    def per_site(self) -> int:
+        """What a site holds once its latest and best checkpoints are all there."""
+        return KEEP_LATEST * self.full + self.best_kept * self.weights
+
+    @property
+    def peak_per_site(self) -> int:
+        """At most, for a moment: one more latest being written before the oldest goes, each with its base."""
+        return (KEEP_LATEST + 1) * (self.full + self.params * BASE) + self.best_kept * self.weights
+
+    def describe(self) -> str:
+        """One line: per site, what it is made of, and the whole run directory's share when several sites write."""
+        parts = "weights, AdamW state" + (", codec residual" if self.full_per_param > WEIGHTS + OPTIMIZER else "")
+        more = f"; {self.sites} sites here: {size(self.sites * self.per_site)}" if self.sites > 1 else ""
+        return (
+            f"checkpoints per site {size(self.per_site)}: {KEEP_LATEST} latest x {size(self.full)} "
+            f"({self.full_per_param} bytes x {self.params:,} parameters: {parts}) + {self.best_kept} best x "
+            f"{size(self.weights)} (weights only, train.keep_best); up to {size(self.peak_per_site)} while one is "
+            f"written{more}"
+        )
+
+
+def footprint(cfg: RunConfig) -> Footprint:
+    """The checkpoints each site of `cfg` keeps (adapters add a little; fsl_sage and split sites hold only their part
+    of the model, so at most this)."""
+    per_param = WEIGHTS + OPTIMIZER + (0 if cfg.codec.name == "fp32" else RESIDUAL)
+    return Footprint(cfg.model.param_count(), per_param, cfg.train.keep_best, cfg.site.num_sites)
+
+
+def run_plan(cfg: RunConfig) -> str:
+    """What the run will do, in one line: syncs x interval (wall-clock hours), the jobs that takes on a Slurm site,
+    tokens (per step: the steps per sync follow each site's speed, which nothing here knows) and the data."""
+    train, site, model = cfg.train, cfg.site, cfg.model
+    step_tokens = train.batch_size * model.context
+    timed = train.sync_interval.total_seconds() > 0
+    cadence = f"every {duration(train.sync_interval)}" if timed else f"every {train.max_local_steps} steps"
+    if timed and train.max_local_steps:
+        cadence += f" or {train.max_local_steps} steps"
+    if train.max_syncs and timed:
+        hours = train.max_syncs * train.sync_interval.total_seconds() / 3600
+        length = f"{train.max_syncs} syncs {cadence} ≈ {hours:.3g} h per site"
+        if site.executor == "slurm":
+            jobs = math.ceil(hours * 3600 / max(60.0, (site.timeout - site.signal_delay).total_seconds()))
+            allowed = site.max_requeues + 1
+            length += f" ({jobs} job{'s' * (jobs != 1)} of {duration(site.timeout)}"
+            length += ")" if jobs <= allowed else f": more than site.max_requeues={site.max_requeues} allows, relaunch)"
+    elif train.max_syncs:
+        length = f"{train.max_syncs} syncs {cadence}"
+    else:
+        length = f"syncs {cadence} until the jobs stop (train.max_syncs=0)"
+    if train.max_local_steps:
+        most = train.max_local_steps * step_tokens
+        tokens = f"at most {most:,} tokens per site a sync" + (
+            f", {train.max_syncs * most:,} in all" if train.max_syncs else ""
+        )
+    else:
+        tokens = f"{step_tokens:,} tokens a step per site, steps per sync as fast as the site trains (not known yet)"
+    data = cfg.data.source + (" (the demo corpus, about 1M tokens)" if cfg.data.source == "bible" else "")
+    data += f", its first {cfg.data.max_tokens:,} tokens" if cfg.data.max_tokens else ""
+    return f"this run: {length}; {tokens}; data {data}"

@@ -198,7 +198,10 @@ def shared_fs_warning(path: Path, mounts: str) -> str | None:
 
 def federation_summary(cfg: RunConfig, run_dir: Path, environ: Mapping[str, str] | None = None) -> list[str]:
     """What a launch sets up, paths expanded as this login node expands them: the jobs, where they write, the PS
-    they dial (TLS files, token), the model, codec, paradigm and cadence."""
+    they dial (TLS files, token), the model, codec, paradigm and cadence; then what the run will do (syncs, hours,
+    tokens, data) and the checkpoints each site keeps."""
+    from geofed_hpc.config.run import footprint, run_plan
+
     env = os.environ if environ is None else environ
     site, ps, train = cfg.site, cfg.ps, cfg.train
 
@@ -231,4 +234,6 @@ def federation_summary(cfg: RunConfig, run_dir: Path, environ: Mapping[str, str]
         f"model {cfg.model.name} ({cfg.model.arch}{start}), paradigm {cfg.paradigm.name}, codec {cfg.codec.name}, "
         f"sync {cadence}{syncs}, data {cfg.data.source}, python {python_command(cfg)}"
     )
+    lines.append(run_plan(cfg))
+    lines.append(footprint(cfg).describe())
     return lines
