@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import time
@@ -45,7 +46,13 @@ def submit_local_sites(cfg: RunConfig, ps_address: str) -> list[submitit.Job]:
     )
     plain = to_dict(cfg)
     plain["run_dir"] = str(run_dir)
-    return [executor.submit(ClientJob(plain, i, ps_address)) for i in range(cfg.site.num_sites)]
+    # Ctrl-C in this terminal reaches every process of its group: the sites must not die of it mid-step. They are
+    # started ignoring SIGINT (inherited across exec), and `follow` stops them as scancel does, with a checkpoint.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return [executor.submit(ClientJob(plain, i, ps_address)) for i in range(cfg.site.num_sites)]
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def record_local(cfg: RunConfig, ps_address: str, jobs: list[submitit.Job]) -> Path:
@@ -96,21 +103,41 @@ def failure(job: submitit.Job) -> str | None:
 
 def stop_jobs(jobs: list[submitit.Job], wait: timedelta = STOP_WAIT) -> None:
     """Stop the jobs still running as scancel does: SIGTERM to each job's controller, which hands it to its tasks (a
-    site checkpoints at its next safe point and leaves). Jobs still running after `wait` are cancelled (SIGINT, whose
-    traceback the controller prints on this terminal)."""
+    site checkpoints at its next safe point and leaves). Jobs still running after `wait` (or at a second Ctrl-C) are
+    killed, tasks and controller."""
     running = [job for job in jobs if not job.done()]
     for job in running:
-        process = getattr(job, "_process", None)  # submitit's LocalJob: the controller; it has no public terminate
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-        else:
-            job.cancel(check=False)
-    deadline = time.monotonic() + wait.total_seconds()
-    while any(not job.done() for job in running) and time.monotonic() < deadline:
-        time.sleep(POLL_S)
-    for job in running:
-        if not job.done():
-            job.cancel(check=False)
+        _signal(job, signal.SIGTERM)
+    try:
+        deadline = time.monotonic() + wait.total_seconds()
+        while any(not job.done() for job in running) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+    finally:
+        for job in running:
+            if not job.done():
+                _signal(job, signal.SIGKILL)
+
+
+def _signal(job: submitit.Job, signum: int) -> None:
+    """`signum` to a local job's controller (SIGTERM: it forwards it to its tasks; SIGKILL: its tasks first)."""
+    process = getattr(job, "_process", None)  # submitit's LocalJob: the controller; it has no public terminate
+    if process is None or process.poll() is not None:
+        return
+    if signum == signal.SIGKILL:
+        for child in _children(process.pid):
+            with contextlib.suppress(OSError):
+                os.kill(child, signal.SIGKILL)
+    process.send_signal(signum)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (a controller's tasks), from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
 
 
 def follow(jobs: list[submitit.Job], cfg: RunConfig, since: float, out: TextIO = sys.stdout) -> list[dict[str, Any]]:
@@ -129,9 +156,11 @@ def follow(jobs: list[submitit.Job], cfg: RunConfig, since: float, out: TextIO =
                 stop_jobs(jobs)
                 raise LaunchError(why)
             time.sleep(POLL_S)
-    except KeyboardInterrupt:
-        for job in jobs:
-            job.cancel(check=False)
+    except KeyboardInterrupt:  # Ctrl-C: a clean stop, as `cancel` makes one
+        print("interrupted: stopping the sites (each checkpoints first; Ctrl-C again kills them)", file=out, flush=True)
+        stop_jobs(jobs)
+        follower.poll()
+        print(f"stopped: run the same command again to resume from {cfg.run_dir}", file=out, flush=True)
         raise
     follower.poll()
     why = next((w for w in map(failure, jobs) if w), None)
