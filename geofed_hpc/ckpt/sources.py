@@ -1,4 +1,4 @@
-"""Where a trained model lives: a run directory's newest global model, a PS snapshot, or a site checkpoint."""
+"""Where a trained model lives: a run's newest global model, a PS snapshot, a site checkpoint, or an export."""
 
 from __future__ import annotations
 
@@ -16,17 +16,19 @@ from geofed_hpc.errors import CheckpointError, ConfigError
 SNAPSHOT = re.compile(r"^global-\d{9,}\.gft$")
 SITE = re.compile(r"^site-\d{9,}\.gft$")
 KINDS = (
-    "a run directory, a PS snapshot (global-*.gft, or the folder holding them), or a site checkpoint (site-*.gft, "
-    "a site's ckpt/ folder for its latest, or ckpt/best/ for its best)"
+    "a run directory, a PS snapshot (global-*.gft, or the folder holding them), a site checkpoint (site-*.gft, "
+    "a site's ckpt/ folder for its latest, or ckpt/best/ for its best), or an exported Hugging Face folder "
+    "(config.json and model.safetensors)"
 )
 
 
 @dataclass
 class Located:
-    """A model source: `kind` snapshot (`path` a global-*.gft, or a folder of them: the newest that loads) or site
-    (`path` a site-*.gft, or a ckpt/ folder: the newest that loads)."""
+    """A model source: `kind` snapshot (`path` a global-*.gft, or a folder of them: the newest that loads), site
+    (`path` a site-*.gft, or a ckpt/ folder: the newest that loads) or hf (`path` a Hugging Face folder, as
+    `export hf` writes one)."""
 
-    kind: Literal["snapshot", "site"]
+    kind: Literal["snapshot", "site", "hf"]
     path: Path
     version: int
     shape: dict[str, Any] | None = None
@@ -34,6 +36,8 @@ class Located:
     global_model: bool = False
     """Chosen as a run's global model: hybrid_lora's private adapters are left out."""
     meta: dict[str, Any] = field(default_factory=dict)
+    run: Path | None = None
+    """The run directory the model was found in (RUN, RUN/ps, RUN/sites/NAME/ckpt...), None outside one."""
 
 
 def _meta(path: Path) -> dict[str, Any]:
@@ -59,16 +63,30 @@ def _site_shape(run: Path) -> dict[str, Any] | None:
     return None
 
 
+def run_of(path: Path) -> Path | None:
+    """The run directory a site checkpoint or its folder lies in (RUN/sites/NAME/ckpt[/best][/site-*.gft])."""
+    for parent in list(Path(path).absolute().parents)[:4]:
+        if parent.name == "sites":
+            return parent.parent
+    return None
+
+
+def hf_folder(path: Path) -> bool:
+    """True for a folder holding a Hugging Face model: config.json and model.safetensors (or its shards' index)."""
+    weights = (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()
+    return path.is_dir() and (path / "config.json").is_file() and weights
+
+
 def _site(path: Path, global_model: bool = False) -> Located:
     meta = _meta(path)
     shape = meta.get("model") if isinstance(meta.get("model"), dict) else None
-    return Located("site", path, int(meta.get("version", 0)), shape, global_model, meta)
+    return Located("site", path, int(meta.get("version", 0)), shape, global_model, meta, run_of(path))
 
 
 def _snapshot(path: Path, run: Path | None) -> Located:
     file = path if path.is_file() else _newest(path, "global")
     meta = _meta(file) if file else {}
-    return Located("snapshot", path, int(meta.get("version", 0)), _site_shape(run) if run else None, True, meta)
+    return Located("snapshot", path, int(meta.get("version", 0)), _site_shape(run) if run else None, True, meta, run)
 
 
 def _run_global(run: Path) -> Located:
@@ -108,7 +126,8 @@ def locate(src: Path, site: str = "") -> Located:
         if newest is None:
             names = ", ".join(sorted(p.name for p in (src / "sites").iterdir() if p.is_dir())) or "none"
             raise ConfigError(f"--site {site}: no checkpoint in {ckpt}; the sites of {src}: {names}")
-        return Located("site", ckpt, int(_meta(newest).get("version", 0)), _meta(newest).get("model"))
+        meta = _meta(newest)
+        return Located("site", ckpt, int(meta.get("version", 0)), meta.get("model"), False, meta, src)
     if src.is_file():
         try:
             meta = {} if SNAPSHOT.match(src.name) or SITE.match(src.name) else _meta(src)
@@ -118,6 +137,8 @@ def locate(src: Path, site: str = "") -> Located:
             return _snapshot(src, src.parent.parent if src.parent.name == "ps" else None)
         if SITE.match(src.name) or "syncs" in meta:
             return _site(src)
+    elif hf_folder(src):
+        return Located("hf", src, 0)
     elif (src / BEST_INDEX).is_file():
         entries = BestCheckpoints(src).entries()
         if entries:
@@ -128,7 +149,7 @@ def locate(src: Path, site: str = "") -> Located:
         newest = _newest(src, "site")
         assert newest is not None
         located = _site(newest)
-        located.path = src
+        located.path, located.run = src, run_of(newest)
         return located
     elif (src / "sites").is_dir() or (src / "ps").is_dir():
         return _run_global(src)

@@ -102,7 +102,8 @@ def check_data(cfg: RunConfig) -> list[Finding]:
         if index.vocab_size > cfg.model.vocab_size or index.max_id >= cfg.model.vocab_size:
             raise ConfigError(
                 f"model.vocab_size: is {cfg.model.vocab_size} but {folder} holds ids up to {index.max_id} "
-                f"(vocabulary {index.vocab_size}); use a model whose vocabulary covers the data's tokenizer"
+                f"(vocabulary {index.vocab_size}); model.vocab_size={max(index.vocab_size, index.max_id + 1)} would "
+                "fit it, or use a model whose vocabulary covers the data's tokenizer"
             )
     except ConfigError as exc:
         return [Finding("error", "data", str(exc))]

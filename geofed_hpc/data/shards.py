@@ -14,7 +14,7 @@ import numpy as np
 
 from geofed_hpc.config import DataConfig
 from geofed_hpc.data.corpus import load_tokens
-from geofed_hpc.data.tokenizer import GPT2, Tokenizer, load_tokenizer
+from geofed_hpc.data.tokenizer import GPT2, Tokenizer, check_vocab, load_tokenizer
 from geofed_hpc.errors import ConfigError
 from geofed_hpc.log import logger
 
@@ -153,7 +153,7 @@ def open_site_shards(
     if index.vocab_size > vocab_size or index.max_id >= vocab_size:
         raise ConfigError(
             f"model.vocab_size: is {vocab_size} but {folder} was tokenized with a vocabulary of {index.vocab_size} "
-            f"(largest id {index.max_id}); use a model whose vocabulary covers the data's tokenizer"
+            f"(largest id {index.max_id}); model.vocab_size={max(index.vocab_size, index.max_id + 1)} would fit it"
         )
     if len(index.train) < sites:
         raise ConfigError(
@@ -175,11 +175,7 @@ def site_tokens(cfg: DataConfig, vocab_size: int, site: int, sites: int) -> tupl
     from geofed_hpc.data.batches import site_shard, split_tokens
 
     tok = load_tokenizer(cfg.tokenizer)
-    if tok.vocab_size > vocab_size:
-        raise ConfigError(
-            f"data.tokenizer: {tok.name} has {tok.vocab_size:,} ids but model.vocab_size is {vocab_size:,}; use the "
-            "model's own tokenizer, or a model whose vocabulary covers it"
-        )
+    check_vocab(tok, vocab_size)
     if is_shard_dir(cfg.source):
         return open_site_shards(Path(cfg.source), site, sites, tok, vocab_size, verify=True)
     tokens = load_tokens(cfg, tok)

@@ -183,9 +183,14 @@ def run_tokenizer(cfg: RunConfig) -> Tokenizer:
             "Face download), or model.init_from=a Hugging Face folder that holds one"
         )
     tok = load_tokenizer(cfg.data.tokenizer)
-    if tok.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"data.tokenizer: {tok.name} has {tok.vocab_size:,} ids but model.vocab_size is "
-            f"{cfg.model.vocab_size:,}; use the model's own tokenizer, or a model whose vocabulary covers it"
-        )
+    check_vocab(tok, cfg.model.vocab_size)
     return tok
+
+
+def check_vocab(tok: Tokenizer, vocab_size: int) -> None:
+    """Refuse a tokenizer with more ids than the model's vocabulary, naming the model.vocab_size that fits it."""
+    if tok.vocab_size > vocab_size:
+        raise ConfigError(
+            f"data.tokenizer: {tok.name} has {tok.vocab_size:,} ids but model.vocab_size is {vocab_size:,}; "
+            f"model.vocab_size={tok.vocab_size} would fit it, or use the model's own tokenizer"
+        )

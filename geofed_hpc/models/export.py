@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -81,6 +82,19 @@ def _shape(cfg: ModelConfig, ours: str) -> tuple[int, ...] | None:
     return None
 
 
+def file_mode() -> int:
+    """The permission bits a new file gets here: 0666 less the umask (what open() gives config.json)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """One safetensors file, with the umask's mode like the files beside it (safetensors writes its files 0600)."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, file_mode())
+
+
 def write_weights(tensors: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """model.safetensors, or model-0000i-of-0000n.safetensors and model.safetensors.index.json above the limit."""
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -93,12 +107,12 @@ def write_weights(tensors: dict[str, torch.Tensor], folder: Path, max_shard_byte
         shards[-1][name] = tensor
         size += nbytes
     if len(shards) == 1:
-        save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
+        _save(shards[0], folder / "model.safetensors")
         return
     weight_map: dict[str, str] = {}
     for i, shard in enumerate(shards, start=1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        _save(shard, folder / file)
         weight_map.update({name: file for name in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -115,11 +129,14 @@ def write_model(
     source: str,
     max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> None:
-    """The weights, config.json and generation_config.json of a `transformers` model equal to ours."""
+    """The weights, config.json and generation_config.json of a `transformers` model equal to ours. Generation stops
+    at the model's context (max_length: `transformers`' text-generation pipeline otherwise asks for 256 new tokens,
+    past the positions a small model has)."""
     if dtype not in TORCH_DTYPES:
         raise ConfigError(f"--dtype: must be one of {', '.join(TORCH_DTYPES)}; got {dtype!r}")
     write_weights(hf_tensors(cfg, params, dtype, source), folder, max_shard_bytes)
     config = hf_config(cfg, dtype, bos_id, eos_id)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": False}
+    max_length = cfg.max_positions or cfg.context  # config.json's n_positions / max_position_embeddings
+    generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": False, "max_length": max_length}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")

@@ -32,6 +32,8 @@ ROPE_FIELDS = {
     "rope_original_context": "original_max_position_embeddings",
 }
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+# Our float fields that a config.json may write as an integer (rope_theta: 500000).
+FLOAT_FIELDS = {"norm_eps", "rope_theta", "rope_scaling", "rope_low_freq_factor", "rope_high_freq_factor"}
 
 
 def read_rope(hf: dict[str, Any], where: str) -> dict[str, tuple[str, Any]]:
@@ -132,6 +134,33 @@ def hf_config(cfg: ModelConfig, dtype: str, bos_id: int, eos_id: int) -> dict[st
         "rope_scaling": {k: v for k, v in rope.items() if k != "rope_theta"} if cfg.rope_scaling > 1 else None,
         **common,
     }
+
+
+def model_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """Our model.* fields from the config.json of a GPT2LMHeadModel or LlamaForCausalLM (what hf_config writes, read
+    back), for running an exported folder; ConfigError naming `where` for another model or a missing key."""
+    arch = hf.get("model_type")
+    if arch not in CONFIG_KEYS:
+        raise ConfigError(f"{where}: model_type {arch!r} is not one of ours (gpt2, llama)")
+    try:
+        named = {key: "n_kv_heads" if ours == "kv_heads" else ours for key, ours in CONFIG_KEYS[arch].items()}
+        fields: dict[str, Any] = {ours: hf[key] for key, ours in named.items() if key in hf}
+        if arch == "gpt2":
+            if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+                raise ConfigError(f"{where}: activation_function {hf['activation_function']!r} is not GPT-2's gelu_new")
+            fields.update(
+                context=hf["n_positions"],
+                d_ff=hf.get("n_inner") or 4 * hf["n_embd"],
+                norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+                tie_embeddings=hf.get("tie_word_embeddings", True),
+            )
+        else:
+            fields.update({ours: value for ours, (_, value) in read_rope(hf, where).items()})
+            fields.update(context=hf["max_position_embeddings"], tie_embeddings=hf.get("tie_word_embeddings", False))
+    except KeyError as exc:
+        raise ConfigError(f"{where}: has no {exc.args[0]!r}, which a {arch} config.json holds") from None
+    floats = {k: float(v) for k, v in fields.items() if k in FLOAT_FIELDS and isinstance(v, int)}
+    return {**fields, **floats, "arch": arch, "dropout": 0.0, "init_from": "", "tokenizer": ""}
 
 
 def checkpoint_files(path: Path) -> list[Path]:
