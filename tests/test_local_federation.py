@@ -72,6 +72,7 @@ def test_two_sites_lower_the_global_validation_loss_and_resume(tmp_path: Path) -
     record = json.loads((run_dir / "launch.json").read_text())
     assert [j["executor"] for j in record["jobs"]] == ["local", "local"]
     assert (run_dir / "launch.json").stat().st_mode & 0o777 == 0o600  # it holds the sites' config, tokens included
+    assert (run_dir / "submitit").stat().st_mode & 0o777 == 0o700  # so do the jobs' pickles below it
     status = cli(["status", f"run_dir={run_dir}"], run_dir.parent)
     assert status.returncode == 0, status.stderr
     table = status.stdout.splitlines()

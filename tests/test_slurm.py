@@ -240,6 +240,7 @@ def test_two_sites_survive_preemption_usr2_requeue_and_cancel(
     args = tiny(run_dir, cache, ps.address)
     jobs = launch(args, tmp_path)
     assert sorted(jobs) == ["slurm_local-0", "slurm_local-1"]
+    assert (run_dir / "jobs").stat().st_mode & 0o777 == 0o700  # the jobs' pickles hold the config, token included
     cfg, _ = compose_config(["site=slurm_local", *args])
     for index, (name, job) in enumerate(jobs.items()):  # what was submitted is exactly the preview
         submitted = Path(job.stdout).parent / f"{job.job_id}_submission.sh"

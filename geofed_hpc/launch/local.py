@@ -19,7 +19,7 @@ from geofed_hpc.config import RunConfig, to_dict
 from geofed_hpc.errors import LaunchError
 from geofed_hpc.launch import progress
 from geofed_hpc.launch.jobs import error_cause, tail
-from geofed_hpc.launch.manifest import JobRecord, record_jobs
+from geofed_hpc.launch.manifest import JobRecord, private_folder, record_jobs
 from geofed_hpc.metrics import read_jsonl
 
 POLL_S = 0.5
@@ -39,7 +39,7 @@ def check_local_device(cfg: RunConfig) -> None:
 def submit_local_sites(cfg: RunConfig, ps_address: str) -> list[submitit.Job]:
     """Submit `site.num_sites` ClientJobs, each `site.tasks_per_node` processes, through submitit's LocalExecutor."""
     run_dir = Path(cfg.run_dir).resolve()
-    executor = submitit.LocalExecutor(folder=run_dir / "submitit" / "%j")
+    executor = submitit.LocalExecutor(folder=private_folder(run_dir / "submitit") / "%j")
     # site.tasks_per_node > 1: each site is that many processes (ranks) here, sharding its model (FSDP2, gloo)
     executor.update_parameters(
         timeout_min=cfg.site.timeout.total_seconds() / 60, tasks_per_node=cfg.site.tasks_per_node

@@ -89,3 +89,10 @@ def record_jobs(
     manifest.configs[cluster_site] = config
     manifest.jobs.extend(jobs)
     return save_manifest(manifest)
+
+
+def private_folder(folder: Path) -> Path:
+    """`folder` made (or tightened) 0700: the jobs' folders hold their pickled config, site.token included."""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    return folder

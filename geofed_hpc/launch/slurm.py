@@ -26,7 +26,7 @@ from geofed_hpc.launch.executor import (
     site_names,
     site_run_dir,
 )
-from geofed_hpc.launch.manifest import JobRecord
+from geofed_hpc.launch.manifest import JobRecord, private_folder
 from geofed_hpc.log import logger
 
 COMMAND_TIMEOUT = timedelta(seconds=30)
@@ -116,6 +116,7 @@ def submit_site(cfg: RunConfig, ps_address: str) -> list[JobRecord]:
     plain = to_dict(cfg)
     plain["run_dir"] = str(run_dir)
     records = []
+    private_folder(run_dir / "jobs")
     with submission_environment():
         for index, name in enumerate(site_names(cfg)):
             executor = submitit.SlurmExecutor(
