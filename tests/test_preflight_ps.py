@@ -7,29 +7,20 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from geofed_hpc.ps.tokens import TokenFile, tokens_path
+from tests import test_ps_edge
 from tests.dist_util import free_port
 from tests.test_launch_slurm import LOGIN_ENV, LOGIN_SLURM, _fake_slurm
 from tests.test_ps_edge import EdgePS
 from tests.test_tls import ps_init
 
 CLI = [sys.executable, "-m", "geofed_hpc.cli"]
-
-
-@pytest.fixture(scope="module", params=["tls", "mutual_tls"])
-def edge(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EdgePS]:
-    ps = EdgePS(tmp_path_factory.mktemp(request.param), mutual=request.param == "mutual_tls")
-    try:
-        ps.start()
-        yield ps
-    finally:
-        ps.stop()
+edge = test_ps_edge.edge  # the fixture: a real `ps up` over TLS and over mutual TLS, with tokens for osc and tacc
 
 
 def site_args(edge: EdgePS, site: str = "osc", token: str | None = None, cert: str = "") -> list[str]:

@@ -15,6 +15,7 @@ from geofed_hpc.commands.options import OPTIONS
 from geofed_hpc.config import RunConfig
 from geofed_hpc.config.run import Footprint, footprint, size
 from geofed_hpc.config.train import KEEP_LATEST
+from geofed_hpc.launch.executor import mount_entry
 
 DEMO_CORPUS = "bible"
 QUOTA_TIMEOUT = timedelta(seconds=10)
@@ -44,20 +45,6 @@ def nearest_folder(path: Path) -> Path:
     while not here.exists() and here != here.parent:
         here = here.parent
     return here
-
-
-def mount_entry(path: Path, mounts: str) -> tuple[str, str, str]:
-    """(device, mount point, filesystem type) holding `path`, from /proc/mounts text."""
-    best = ("", "/", "")
-    target = str(path)
-    for line in mounts.splitlines():
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        point = parts[1].replace("\\040", " ")
-        if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) >= len(best[1]):
-            best = (parts[0], point, parts[2])
-    return best
 
 
 def _run(args: Sequence[str]) -> str | None:

@@ -169,24 +169,23 @@ def sbatch_preview(cfg: RunConfig, site_index: int, run_dir: Path) -> str:
     return _make_sbatch_string(command=submit_command(cfg, folder), folder=folder, **sbatch_parameters(cfg, site_index))
 
 
-def mount_of(path: Path, mounts: str) -> tuple[str, str]:
-    """(mount point, filesystem type) holding `path`, from /proc/mounts text."""
-    best, fstype = "/", ""
+def mount_entry(path: Path, mounts: str) -> tuple[str, str, str]:
+    """(device, mount point, filesystem type) holding `path`, from /proc/mounts text."""
+    best = ("", "/", "")
     target = str(path)
     for line in mounts.splitlines():
         parts = line.split()
         if len(parts) < 3:
             continue
         point = parts[1].replace("\\040", " ")
-        inside = target == point or target.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, fstype = point, parts[2]
-    return best, fstype
+        if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) >= len(best[1]):
+            best = (parts[0], point, parts[2])
+    return best
 
 
 def shared_fs_warning(path: Path, mounts: str) -> str | None:
     """A warning when `path` sits on a filesystem that compute nodes are unlikely to share."""
-    point, fstype = mount_of(path, mounts)
+    _, point, fstype = mount_entry(path, mounts)
     if fstype in SHARED_FS_TYPES or fstype.startswith("fuse."):
         return None
     return (
