@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,15 +33,10 @@ def _model_config(cfg: RunConfig, shape: dict[str, Any] | None, where: str) -> M
 def _load_hf(folder: Path) -> tuple[ModelConfig, dict[str, Any], str]:
     """The model of a Hugging Face folder (`export hf`'s output), read with our loader of such checkpoints."""
     from geofed_hpc.models.hf import read_hf_tensors
-    from geofed_hpc.models.hfconfig import model_fields
+    from geofed_hpc.models.hfconfig import model_fields, read_hf_config
 
     file = folder / "config.json"
-    try:
-        hf = json.loads(file.read_text())
-    except ValueError as exc:
-        raise ConfigError(f"{file} is not valid JSON ({exc})") from None
-    if not isinstance(hf, dict):
-        raise ConfigError(f"{file} is not a Hugging Face config (not a JSON object)")
+    hf = read_hf_config(file)
     model = from_dict(ModelConfig, {**model_fields(hf, str(file)), "name": folder.name or "hf"})
     params = {name: tensor.float().numpy() for name, tensor, _ in read_hf_tensors(model, folder)}
     return model, params, f"{folder} (a Hugging Face {model.arch} model)"

@@ -189,10 +189,15 @@ def check_folder_config(cfg: ModelConfig, folder: Path) -> None:
     file = folder / "config.json"
     if not file.is_file():
         return
+    check_config(cfg, read_hf_config(file, "model.init_from: "), str(file))
+
+
+def read_hf_config(file: Path, field: str = "") -> dict[str, Any]:
+    """A Hugging Face config.json as a dict; ConfigError (starting with `field`) when it is not one."""
     try:
         hf = json.loads(file.read_text())
     except ValueError as exc:
-        raise ConfigError(f"model.init_from: {file} is not valid JSON ({exc})") from exc
+        raise ConfigError(f"{field}{file} is not valid JSON ({exc})") from None
     if not isinstance(hf, dict):
-        raise ConfigError(f"model.init_from: {file} is not a Hugging Face config (not a JSON object)")
-    check_config(cfg, hf, str(file))
+        raise ConfigError(f"{field}{file} is not a Hugging Face config (not a JSON object)")
+    return hf
