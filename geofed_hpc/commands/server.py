@@ -51,6 +51,10 @@ def cmd_ps_up(cfg: RunConfig) -> int:
         f"{cfg.ps.aggregation}, {model}); Ctrl-C or SIGTERM to stop",
         flush=True,
     )
+    if server.group is not None:  # formed (or joined) before the server started
+        from geofed_hpc.ps.group.membership import describe
+
+        print(f"PS group {describe(ps_cfg, server.group.joined)}; this PS is peer {cfg.ps.peer_rank}", flush=True)
     table = None if cfg.verbosity < 0 else PSProgress(sys.stdout)  # --quiet: no line per version
 
     def progress() -> None:

@@ -23,7 +23,7 @@ class PSConfig:
     """The parameter server: where it listens, where clients dial, and how it aggregates."""
 
     host: str = "127.0.0.1"
-    """The address the PS listens on."""
+    """The address the PS listens on (in a PS group, its group store and gloo connections too)."""
     port: Port = 0
     """The port it listens on (0: a free one, picked at start)."""
     address: HostPorts = ""
@@ -152,8 +152,8 @@ class PSConfig:
     peer_rank: Annotated[StrictInt, Field(ge=-1)] = -1
     """This PS's index in ps.peers (-1: no group)."""
     peer_rendezvous: HostPort = ""
-    """The group's rendezvous (a TCP store that peer 0 serves) ("": peer 0's host, its port + 1). When peer 0 dies,
-    the lowest peer left serves the store on its own host at its port + 1."""
+    """Where the peers dial the group's rendezvous, a TCP store that peer 0 serves on ps.host at this port ("": peer
+    0's host, its port + 1). When peer 0 dies, the lowest peer left serves the store on its ps.host at its port + 1."""
     peer_secret: str = ""
     """The secret every peer proves it knows at rendezvous (an HMAC, never sent)."""
     peer_secret_file: str = ""

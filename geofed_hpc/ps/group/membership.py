@@ -18,19 +18,21 @@ from typing import Any
 import torch.distributed as dist
 
 from geofed_hpc.config import PSConfig
-from geofed_hpc.config.fields import split_host_port
 from geofed_hpc.errors import MismatchError
-from geofed_hpc.log import logger
+from geofed_hpc.log import escape, logger, quote
 from geofed_hpc.ps.group.collectives import Group, PeerLost
 from geofed_hpc.ps.group.rendezvous import (
     NONCE,
     POLL,
     check_hello,
+    check_listen,
     gloo_group,
+    gloo_host,
     hello,
     meet,
     open_store,
     serve_store,
+    show,
     store_address,
     store_client,
 )
@@ -57,6 +59,7 @@ class Joined:
 def form(cfg: PSConfig, identity: dict[str, Any]) -> Joined:
     """Meet the peers of ps.peers and form their gloo group (generation 0), or, when the group runs already (this
     peer restarted), ask to be taken back at its next sync point. Errors name the peer at fault."""
+    check_listen(cfg)
     found = find_running(cfg)
     if found is not None:
         store, server = found
@@ -68,8 +71,22 @@ def form(cfg: PSConfig, identity: dict[str, Any]) -> Joined:
     joined = connect(cfg, store, generation, members, server)
     if cfg.peer_rank == 0 and generation == 0:
         publish(store, 0, members)
-    logger.info("PS group formed (generation %d): peer %d of %s", generation, cfg.peer_rank, members)
+    what = "formed" if found is None else "took this PS back"
+    listing = _listing(cfg, members, server)
+    logger.info("PS group %s (generation %d): %s; this PS is peer %d", what, generation, listing, cfg.peer_rank)
     return joined
+
+
+def describe(cfg: PSConfig, joined: Joined) -> str:
+    """A generation as a log line (or `ps up`) shows it: its number, members and the peer serving the store."""
+    return f"generation {joined.generation}: {_listing(cfg, joined.members, joined.server)}"
+
+
+def _listing(cfg: PSConfig, members: list[int], server: int, changes: str = "") -> str:
+    """`peers [0, 1]{changes}; addresses a:p, b:p; store served by peer 0 at a:p+1` (from this PS's settings)."""
+    host, port = store_address(cfg, server)
+    addresses = ", ".join(cfg.peers[r] for r in members)
+    return f"peers {members}{changes}; addresses {addresses}; store served by peer {server} at {show(host, port)}"
 
 
 def find_running(cfg: PSConfig) -> tuple[dist.Store, int] | None:
@@ -90,9 +107,8 @@ def find_running(cfg: PSConfig) -> tuple[dist.Store, int] | None:
 
 def connect(cfg: PSConfig, store: dist.Store, generation: int, members: list[int], server: int = 0) -> Joined:
     """This peer's gloo group of a generation (every member calls it at once)."""
-    host, _ = split_host_port(cfg.peers[cfg.peer_rank])
     rank = members.index(cfg.peer_rank)
-    pg = gloo_group(store, rank, len(members), generation, host, cfg.peer_timeout)
+    pg = gloo_group(store, rank, len(members), generation, gloo_host(cfg), cfg.peer_timeout)
     return Joined(pg, store, generation, members, server)
 
 
@@ -121,6 +137,23 @@ def publish(store: dist.Store, generation: int, members: list[int]) -> None:
     """The server names the members (their ranks in ps.peers) of a new generation."""
     store.set(_members_key(generation), json.dumps(members))
     store.set(GENERATION, str(generation))
+
+
+def read_members(cfg: PSConfig, store: dist.Store, generation: int) -> list[int]:
+    """The members of `generation` its server named in the store; PeerLost when they are not ranks in ps.peers."""
+    raw = store.get(_members_key(generation))
+    try:
+        members = json.loads(raw)
+    except ValueError:
+        members = None
+    if not (
+        isinstance(members, list)
+        and members
+        and all(type(r) is int and 0 <= r < len(cfg.peers) for r in members)
+        and len(set(members)) == len(members)
+    ):
+        raise PeerLost(f"the PS group's store names no members of ps.peers for generation {generation}: {quote(raw)}")
+    return members
 
 
 def running(store: dist.Store) -> int | None:
@@ -185,21 +218,29 @@ def _reform(cfg: PSConfig, joined: Joined, joining: list[int]) -> list[int]:
                     "re-form the group"
                 )
             time.sleep(POLL.total_seconds())
-        new = json.loads(store.get(_members_key(nxt)))
-    _log_generation(nxt, members, new, joining)
+        new = read_members(cfg, store, nxt)
+    _log_generation(cfg, nxt, members, new, joining, server)
     if me not in new:
         raise PeerLost(f"this PS (peer {me}) was left out of the PS group at generation {nxt}")
     return new
 
 
-def _log_generation(generation: int, old: list[int], new: list[int], joining: list[int]) -> None:
+def _log_generation(
+    cfg: PSConfig, generation: int, old: list[int], new: list[int], joining: list[int], server: int
+) -> None:
+    """One line for each peer that left or was taken back, and one for the new generation (members, store)."""
     gone = sorted(set(old) - set(new))
+    back = [r for r in joining if r in new]
+    for rank in gone:
+        logger.warning("PS group: peer %d (%s) left (generation %d)", rank, cfg.peers[rank], generation)
+    for rank in back:
+        logger.info("PS group: peer %d (%s) taken back (generation %d)", rank, cfg.peers[rank], generation)
+    changes = (f"; gone: {gone}" if gone else "") + (f"; back: {back}" if back else "")
     logger.warning(
-        "PS group re-formed (generation %d): peers %s%s%s",
+        "PS group re-formed (generation %d): %s; this PS is peer %d",
         generation,
-        new,
-        f"; gone: {gone}" if gone else "",
-        f"; back: {joining}" if joining else "",
+        _listing(cfg, new, server, changes),
+        cfg.peer_rank,
     )
 
 
@@ -219,11 +260,11 @@ def succeed(cfg: PSConfig, identity: dict[str, Any], joined: Joined) -> tuple[di
         try:
             found.set(f"gen{nxt}/hello/{me}", hello(cfg, identity, found.get(NONCE)))
             _wait(found, _members_key(nxt), 2 * cfg.peer_timeout, f"peer {rank} ({cfg.peers[rank]}) to re-form")
-            members = json.loads(found.get(_members_key(nxt)))
-        except RuntimeError as exc:
+            members = read_members(cfg, found, nxt)
+        except (RuntimeError, PeerLost) as exc:
             logger.warning("PS group: peer %d (%s) stopped answering: %s", rank, cfg.peers[rank], exc)
             continue
-        _log_generation(nxt, joined.members, members, [])
+        _log_generation(cfg, nxt, joined.members, members, [], rank)
         if me not in members:
             raise PeerLost(f"this PS (peer {me}) was left out of the PS group at generation {nxt}")
         return found, rank, members
@@ -234,11 +275,16 @@ def _serve_next(cfg: PSConfig, identity: dict[str, Any], joined: Joined) -> tupl
     """This peer, the new server, opens its store and names as the next generation itself and the members that
     proved the shared secret and the same identity there within ps.peer_timeout."""
     nxt, me = joined.generation + 1, cfg.peer_rank
-    store = serve_store(cfg)
+    store, where = serve_store(cfg)
     store.set(NONCE, os.urandom(16).hex())
     store.set(GENERATION, str(joined.generation))  # a peer that restarts now finds a running group here
     host, port = store_address(cfg, me)
-    logger.warning("PS group: its server is gone; this PS (peer %d) serves the store on %s:%d", me, host, port)
+    logger.warning(
+        "PS group: its server is gone; this PS (peer %d) serves the store on %s (listening on %s)",
+        me,
+        show(host, port),
+        where,
+    )
     others = {r: f"gen{nxt}/hello/{r}" for r in joined.members if r not in (me, joined.server)}
     deadline = time.monotonic() + cfg.peer_timeout.total_seconds()
     while time.monotonic() < deadline and not all(store.check([k]) for k in others.values()):
@@ -255,7 +301,7 @@ def _serve_next(cfg: PSConfig, identity: dict[str, Any], joined: Joined) -> tupl
         members.append(rank)
     members.sort()
     publish(store, nxt, members)
-    _log_generation(nxt, joined.members, members, [])
+    _log_generation(cfg, nxt, joined.members, members, [], me)
     return store, members
 
 
@@ -269,10 +315,10 @@ def join_running(cfg: PSConfig, identity: dict[str, Any], store: dist.Store) -> 
     deadline = time.monotonic() + 3 * cfg.peer_timeout.total_seconds()
     while time.monotonic() < deadline:
         if store.check([key + "/refused"]):
-            raise MismatchError(store.get(key + "/refused").decode())
+            raise MismatchError(escape(store.get(key + "/refused").decode(errors="replace"), limit=2000))
         generation = running(store) or 0
         if generation > seen and store.check([_members_key(generation)]):
-            members = json.loads(store.get(_members_key(generation)))
+            members = read_members(cfg, store, generation)
             if rank in members:
                 return generation, members
             seen = generation

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 import os
+import socket
 import time
 from datetime import timedelta
 from importlib import metadata
@@ -17,6 +19,7 @@ import torch.distributed as dist
 from geofed_hpc.config import PSConfig, RunConfig, to_dict
 from geofed_hpc.config.fields import split_host_port
 from geofed_hpc.errors import ConfigError, MismatchError, UnavailableError
+from geofed_hpc.log import logger, quote
 from geofed_hpc.ps.group.collectives import Group, PeerLost
 from geofed_hpc.rpc.channel import listening
 
@@ -24,6 +27,8 @@ POLL = timedelta(milliseconds=50)
 NONCE = "gen0/nonce"  # the store's nonce, which every hello proves the shared secret over
 PROBE = timedelta(seconds=1)  # how long a look for a listening store may take (a plain TCP connect, before a store
 # client, which would retry a refused connection until its timeout)
+WILDCARDS = ("", "*", "0.0.0.0", "::")  # a ps.host that listens on every interface
+BACKLOG = 128  # of the store's listening socket until its server listens on it (torch then sets its own)
 
 
 def _build() -> str:
@@ -117,35 +122,162 @@ def _wait_keys(store: dist.Store, keys: dict[int, str], timeout: timedelta, what
         time.sleep(POLL.total_seconds())
 
 
+def listen_host(cfg: PSConfig) -> str:
+    """Where the group's store listens when this PS serves it: ps.host, where the PS itself listens (a wildcard
+    there, 0.0.0.0 or ::, listens on every interface)."""
+    return cfg.host.strip("[]")
+
+
+def gloo_host(cfg: PSConfig) -> str:
+    """The one address this PS's gloo connections listen on; gloo also tells the peers to dial it there: ps.host,
+    or, when ps.host is a wildcard (gloo cannot listen on one), this PS's host in ps.peers."""
+    host = listen_host(cfg)
+    return split_host_port(cfg.peers[cfg.peer_rank])[0] if host in WILDCARDS else host
+
+
+def show(host: str, port: int) -> str:
+    """host:port as a log line shows it ([ipv6]:port)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def check_listen(cfg: PSConfig) -> None:
+    """ConfigError when the store this PS may serve would listen where its peers cannot dial it: ps.host a loopback
+    address while ps.peers (or ps.peer_rendezvous, for peer 0) names this PS by an IP address of another interface."""
+    if not _loopback(listen_host(cfg)):
+        return
+    dialed = [("ps.peers", split_host_port(cfg.peers[cfg.peer_rank])[0])]
+    if cfg.peer_rank == 0 and cfg.peer_rendezvous:
+        dialed.append(("ps.peer_rendezvous", store_address(cfg, 0)[0]))
+    for setting, host in dialed:
+        if _literal(host) and not _loopback(host):
+            raise ConfigError(
+                f"ps.host: the PS group's store listens where this PS does, on {cfg.host} only, but {setting} has "
+                f"its peers dial it at {host}: set ps.host={host} (or 0.0.0.0 to listen on every interface)"
+            )
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on host:port only ("", "*" or "::": every interface, IPv4 and IPv6, as gRPC listens
+    there; "0.0.0.0": every IPv4 interface); OSError when no address of `host` can be bound."""
+    if host in ("", "*", "::"):
+        if socket.has_dualstack_ipv6():
+            return socket.create_server(("::", port), family=socket.AF_INET6, backlog=BACKLOG, dualstack_ipv6=True)
+        family = socket.AF_INET6 if host == "::" else socket.AF_INET
+        return socket.create_server((host.strip("*"), port), family=family, backlog=BACKLOG)
+    error: OSError = OSError(f"{host} has no address")
+    for family, _, _, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+        try:
+            return socket.create_server(address, family=family, backlog=BACKLOG)
+        except OSError as exc:
+            error = exc
+    raise error
+
+
+def _self_dial(sock: socket.socket) -> str:
+    """Where the store's server, listening on `sock`, dials itself: its address, or a loopback one for a wildcard."""
+    bound = str(sock.getsockname()[0])
+    if bound == "0.0.0.0":
+        return "127.0.0.1"
+    if bound == "::":
+        v6only = sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
+        return "::1" if v6only else "127.0.0.1"
+    return bound
+
+
+def _same_socket(fd: int, inode: int) -> bool:
+    try:
+        return os.fstat(fd).st_ino == inode
+    except OSError:
+        return False
+
+
+def serve(cfg: PSConfig, port: int) -> tuple[dist.Store, str]:
+    """A TCP store server listening on ps.host:`port` only, and where it listens. torch's own server listens on
+    every interface whatever host it is given (its TCPStoreOptions carry no host), so the socket is bound here and
+    handed to it (master_listen_fd), which then owns and closes it. OSError / RuntimeError when it cannot."""
+    sock = listen_socket(listen_host(cfg), port)
+    fd = sock.fileno()
+    inode = os.fstat(fd).st_ino
+    where = show(*sock.getsockname()[:2])
+    try:
+        store = dist.TCPStore(
+            _self_dial(sock),
+            port,
+            len(cfg.peers),
+            True,
+            timeout=cfg.peer_timeout,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+            use_libuv=True,
+        )
+    except BaseException:
+        if _same_socket(fd, inode):  # the store never took it
+            sock.close()
+        else:
+            sock.detach()
+        raise
+    sock.detach()  # the store's server owns the socket now
+    return store, where
+
+
 def open_store(cfg: PSConfig) -> dist.Store:
-    """Peer 0 serves the group's TCP store; the others connect to it (waiting up to ps.peer_timeout)."""
+    """Peer 0 serves the group's TCP store (listening on ps.host only); the others connect to it (waiting up to
+    ps.peer_timeout)."""
     host, port = store_address(cfg, 0)  # the rendezvous
     master = cfg.peer_rank == 0
     try:
+        if master:
+            store, where = serve(cfg, port)
+            logger.info(
+                "PS group: this PS (peer 0) serves the group's store, listening on %s (its peers dial %s)",
+                where,
+                show(host, port),
+            )
+            return store
         return dist.TCPStore(
-            host, port, len(cfg.peers), master, timeout=cfg.peer_timeout, wait_for_workers=False, use_libuv=True
+            host, port, len(cfg.peers), False, timeout=cfg.peer_timeout, wait_for_workers=False, use_libuv=True
         )
     except (RuntimeError, OSError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if master:
-            raise UnavailableError(f"peer 0 cannot serve the PS group's rendezvous on {host}:{port}: {first}") from None
+            raise UnavailableError(
+                f"peer 0 cannot serve the PS group's rendezvous on {show(listen_host(cfg), port)} (ps.host, the "
+                f"rendezvous port): {first}"
+            ) from None
         raise UnavailableError(
-            f"the PS group's rendezvous on {host}:{port} (served by peer 0, {cfg.peers[0]}) did not answer within "
-            f"{cfg.peer_timeout.total_seconds():g}s (ps.peer_timeout): {first}"
+            f"the PS group's rendezvous on {show(host, port)} (served by peer 0, {cfg.peers[0]}) did not answer "
+            f"within {cfg.peer_timeout.total_seconds():g}s (ps.peer_timeout): {first}"
         ) from None
 
 
-def serve_store(cfg: PSConfig) -> dist.Store:
-    """This peer serves a TCP store at its store_address (a new server of a running group)."""
-    host, port = store_address(cfg, cfg.peer_rank)
+def serve_store(cfg: PSConfig) -> tuple[dist.Store, str]:
+    """This peer serves a TCP store on ps.host at its store_address's port (a new server of a running group), and
+    where it listens."""
+    _, port = store_address(cfg, cfg.peer_rank)
     try:
-        return dist.TCPStore(
-            host, port, len(cfg.peers), True, timeout=cfg.peer_timeout, wait_for_workers=False, use_libuv=True
-        )
+        return serve(cfg, port)
     except (RuntimeError, OSError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UnavailableError(
-            f"peer {cfg.peer_rank} cannot serve the PS group's store on {host}:{port} (its port + 1): {first}"
+            f"peer {cfg.peer_rank} cannot serve the PS group's store on {show(listen_host(cfg), port)} (ps.host, "
+            f"its port + 1): {first}"
         ) from None
 
 
@@ -174,8 +306,14 @@ def hello(cfg: PSConfig, identity: dict[str, Any], nonce: bytes) -> str:
 
 def check_hello(cfg: PSConfig, identity: dict[str, Any], rank: int, raw: bytes, nonce: bytes) -> None:
     """MismatchError naming peer `rank` and this PS when its hello lacks the secret or shows another identity."""
-    got = json.loads(raw)
-    expected = _proof(peer_secret(cfg), nonce, json.dumps(got["identity"], sort_keys=True).encode())
+    try:
+        got = json.loads(raw)
+        expected = _proof(peer_secret(cfg), nonce, json.dumps(got["identity"], sort_keys=True).encode())
+    except (ValueError, TypeError, KeyError):
+        raise MismatchError(
+            f"refused at the PS group's rendezvous: peer {rank} ({cfg.peers[rank]}) sent no hello this PS (peer "
+            f"{cfg.peer_rank}) can read: {quote(raw)}"
+        ) from None
     if not hmac.compare_digest(expected.encode(), str(got.get("proof", "")).encode()):
         raise MismatchError(
             f"refused at the PS group's rendezvous: peer {rank} ({cfg.peers[rank]}) does not prove the shared "
