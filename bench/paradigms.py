@@ -267,6 +267,7 @@ def main() -> None:
         "fsl_sage_bytes_to_target_vs_split_max": 0.5,
     }
     report = {"rows": results, "targets": targets, "rounds": args.rounds, "steps": args.steps, "sites": 2}
+    args.json.parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in the checkout
     args.json.write_text(json.dumps(report, indent=1))
     print(
         f"{'paradigm':<13}{'bytes/round':>14}{'up':>13}{'down':>13}{'vs full':>10}{'bytes/step':>12}{'eval loss':>11}"

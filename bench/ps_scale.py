@@ -254,6 +254,7 @@ def main() -> None:
                 f"{row['deltas_per_s']:>10.2f}{row['mb_per_s']:>9.1f}{row['seconds']:>8.1f}",
                 flush=True,
             )
+    args.json.parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in the checkout
     args.json.write_text(json.dumps({"rows": rows}, indent=1))
     for rule in args.rules.split(","):
         by_k = {r["sites"]: r["peak_rss_mb"] for r in rows if r["rule"] == rule}

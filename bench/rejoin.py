@@ -155,6 +155,7 @@ def main() -> None:
         "model": f"{args.model} context {args.context}",
         "cpus": os.cpu_count(),
     }
+    args.json.parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in the checkout
     args.json.write_text(json.dumps({"rows": [result]}, indent=1))
     print(f"{'path':<34}{'seconds':>9}")
     print(f"{'live PS (rejoin, no pull)':<34}{live_s:>9.2f}   target <= 10")

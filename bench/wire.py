@@ -246,6 +246,7 @@ def main() -> None:
     out = {k: first[k] for k in ("raw_mb_per_s", "push_mb_per_s", "ratio", "concurrent_speedup")}
     out[f"{first['codec']}_params_vs_raw_fp32"] = first["params_vs_raw_fp32"]
     out |= {"load_average": list(os.getloadavg()), "rows": rows}
+    args.json.parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is not in the checkout
     args.json.write_text(json.dumps(out, indent=1))
     print(
         f"wrote {args.json}; targets ({first['codec']}): ratio >= 0.8 (push/raw), params_vs_raw_fp32 >= 1.0, "

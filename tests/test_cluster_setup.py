@@ -29,9 +29,9 @@ def _commands(block: str, variables: dict[str, str]) -> list[list[str]]:
     lines = []
     for raw in block.splitlines():
         line = raw.split(" #", 1)[0].strip()
-        assignment = re.fullmatch(r'([A-Z_]+)="(.*)"', line)
+        assignment = re.fullmatch(r"""([A-Z_]+)=(["'])(.*)\2""", line)
         if assignment:
-            variables[assignment.group(1)] = assignment.group(2)
+            variables[assignment.group(1)] = assignment.group(3)
             continue
         for part in line.split("&&"):
             if part.strip().startswith("geofed-hpc "):
@@ -40,7 +40,12 @@ def _commands(block: str, variables: dict[str, str]) -> list[list[str]]:
     return lines
 
 
-def test_readme_on_a_cluster_goes_from_git_clone_to_a_launch_with_the_ca_and_token() -> None:
+def test_readme_on_a_cluster_goes_from_git_clone_to_a_launch_with_the_ca_and_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "corpus").mkdir()  # the user's corpus, as the README's `data.source=~/corpus` names it
+    (tmp_path / "corpus" / "a.txt").write_text("In the beginning.\n")
+    monkeypatch.setenv("HOME", str(tmp_path))
     section = _section("On a cluster")
     block = section.split("```bash", 1)[1].split("```", 1)[0]
     steps = ["git clone", "python -m venv", "download.pytorch.org/whl/cu", "pip install -e", "site new", "site check"]
