@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 LOGGER_NAME = "geofed_hpc"
 logger = logging.getLogger(LOGGER_NAME)
@@ -25,12 +26,28 @@ def quote(text: object, limit: int = 64) -> str:
     return f"'{escape(text, limit)}'"
 
 
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """A handler writing to sys.stderr as it is at each record: whoever swaps sys.stderr later (a test's capture, a
+    library's console capture) never leaves the package logging into a stream that was closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass  # always the current sys.stderr
+
+
 def setup_logging(verbosity: int = 0, stream=None) -> None:
     """Configure the package logger once: -1 quiet (warnings), 0 info, 1+ debug."""
     level = logging.WARNING if verbosity < 0 else logging.DEBUG if verbosity > 0 else logging.INFO
     logger.setLevel(level)
     if not any(getattr(h, "_geofed", False) for h in logger.handlers):
-        handler = logging.StreamHandler(stream or sys.stderr)
+        handler = logging.StreamHandler(stream) if stream is not None else _Stderr()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
         handler._geofed = True  # type: ignore[attr-defined]
         logger.addHandler(handler)

@@ -363,7 +363,8 @@ def test_a_site_stopped_between_its_push_and_the_checkpoint_after_it_trains_no_b
     its batches: 3 pushes and 9 draws' tokens for 3 syncs, not a fourth push of batches trained twice."""
     ps = make_ps(tmp_path, aggregation="async")
     try:
-        monkeypatch.setenv(faults.ENV, f"atomic.write[site-]@2={action}")  # the checkpoint after sync 2
+        # the checkpoint after sync 2 (its weights-only copy among the best ones is written after it)
+        monkeypatch.setenv(faults.ENV, f"atomic.write[site-000000002]@1={action}")
         site = Site(site_cfg(tmp_path, shards, max_syncs=3), tmp_path, ps.address)
         try:
             codes = site.wait(timeout=600)

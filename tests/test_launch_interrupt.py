@@ -39,10 +39,12 @@ def args(run_dir: Path, cache: Path) -> list[str]:
 def test_ctrl_c_stops_every_site_with_a_checkpoint_and_a_rerun_resumes(tmp_path: Path) -> None:
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     env = {**os.environ, "WANDB_SILENT": "true"}
-    # its own process group, as a terminal's foreground job: Ctrl-C is SIGINT to every process of the group
+    # its own process group, as a terminal's foreground job: Ctrl-C is SIGINT to every process of the group. SIGINT
+    # as a terminal leaves it, whatever this test inherited (a shell's background job starts with SIGINT ignored).
     proc = subprocess.Popen(
         [sys.executable, "-m", "geofed_hpc.cli", *args(run_dir, cache)],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)

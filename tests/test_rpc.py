@@ -277,6 +277,7 @@ def test_generated_stubs_have_no_drift(tmp_path: Path) -> None:
 
 def test_connect_gives_up_within_its_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     waits: list[float] = []  # every wait connect asks for: for the channel to get ready, or between attempts
+    cancelled: list[bool] = []
     ready, sleep = grpc.channel_ready_future, time.sleep
 
     class Ready:
@@ -286,6 +287,10 @@ def test_connect_gives_up_within_its_timeout(tmp_path: Path, monkeypatch: pytest
         def result(self, timeout: float) -> None:
             waits.append(timeout)
             self.future.result(timeout=timeout)
+
+        def cancel(self) -> bool:  # connect ends its watch of the channel however it ends
+            cancelled.append(True)
+            return self.future.cancel()
 
     def slept(seconds: float) -> None:
         waits.append(seconds)
@@ -301,6 +306,7 @@ def test_connect_gives_up_within_its_timeout(tmp_path: Path, monkeypatch: pytest
             client.connect(timedelta(seconds=1))
     # no wait reaches past the 1 s timeout, however slow this machine (the first wait alone used to be 2 s)
     assert waits and max(waits) <= 1.0 and sum(waits) <= 1.0 + 1e-6, waits
+    assert cancelled == [True]  # no watch left running past the channel (its thread's traceback at exit)
 
 
 class Anyone:

@@ -97,7 +97,8 @@ class StopHandler:
         logger.info("stopping for %s with exit code %d; the checkpoint is on disk", signal.Signals(signum).name, code)
         for stream in (sys.stdout, sys.stderr, *(getattr(h, "stream", None) for h in logger.handlers)):
             if stream is not None:
-                stream.flush()
+                with contextlib.suppress(OSError, ValueError):  # a stream someone closed: the exit matters more
+                    stream.flush()
         self.exit(code & 0xFF)
         raise SystemExit(code)
 

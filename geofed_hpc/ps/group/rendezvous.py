@@ -7,7 +7,6 @@ import hmac
 import ipaddress
 import json
 import os
-import socket
 import time
 from datetime import timedelta
 from importlib import metadata
@@ -22,6 +21,7 @@ from geofed_hpc.errors import ConfigError, MismatchError, UnavailableError
 from geofed_hpc.log import logger, quote
 from geofed_hpc.ps.group.collectives import Group, PeerLost
 from geofed_hpc.rpc.channel import listening
+from geofed_hpc.rpc.listen import listen_socket, self_dial
 
 POLL = timedelta(milliseconds=50)
 NONCE = "gen0/nonce"  # the store's nonce, which every hello proves the shared secret over
@@ -173,34 +173,6 @@ def check_listen(cfg: PSConfig) -> None:
             )
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket listening on host:port only ("", "*" or "::": every interface, IPv4 and IPv6, as gRPC listens
-    there; "0.0.0.0": every IPv4 interface); OSError when no address of `host` can be bound."""
-    if host in ("", "*", "::"):
-        if socket.has_dualstack_ipv6():
-            return socket.create_server(("::", port), family=socket.AF_INET6, backlog=BACKLOG, dualstack_ipv6=True)
-        family = socket.AF_INET6 if host == "::" else socket.AF_INET
-        return socket.create_server((host.strip("*"), port), family=family, backlog=BACKLOG)
-    error: OSError = OSError(f"{host} has no address")
-    for family, _, _, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
-        try:
-            return socket.create_server(address, family=family, backlog=BACKLOG)
-        except OSError as exc:
-            error = exc
-    raise error
-
-
-def _self_dial(sock: socket.socket) -> str:
-    """Where the store's server, listening on `sock`, dials itself: its address, or a loopback one for a wildcard."""
-    bound = str(sock.getsockname()[0])
-    if bound == "0.0.0.0":
-        return "127.0.0.1"
-    if bound == "::":
-        v6only = sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY)
-        return "::1" if v6only else "127.0.0.1"
-    return bound
-
-
 def _same_socket(fd: int, inode: int) -> bool:
     try:
         return os.fstat(fd).st_ino == inode
@@ -212,13 +184,13 @@ def serve(cfg: PSConfig, port: int) -> tuple[dist.Store, str]:
     """A TCP store server listening on ps.host:`port` only, and where it listens. torch's own server listens on
     every interface whatever host it is given (its TCPStoreOptions carry no host), so the socket is bound here and
     handed to it (master_listen_fd), which then owns and closes it. OSError / RuntimeError when it cannot."""
-    sock = listen_socket(listen_host(cfg), port)
+    sock = listen_socket(listen_host(cfg), port, BACKLOG)
     fd = sock.fileno()
     inode = os.fstat(fd).st_ino
     where = show(*sock.getsockname()[:2])
     try:
         store = dist.TCPStore(
-            _self_dial(sock),
+            self_dial(sock),
             port,
             len(cfg.peers),
             True,
