@@ -16,8 +16,10 @@ Output: {"params", "live_s", "cold_s", "first_step_s", "ckpt_mb", "fresh_s", ...
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -99,6 +101,8 @@ def main() -> None:
 
     work = args.work or Path(tempfile.mkdtemp(prefix="rejoin-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.work is None:  # its checkpoints are about 10 GB: a temporary folder goes when the bench ends, however
+        atexit.register(shutil.rmtree, work, True)
     base, _ = compose_config([f"model={args.model}", f"model.context={args.context}", f"run_dir={work / 'run'}"])
     n = num_params(build_model(base.model, seed=0, device="meta"))
     prepare_shards(

@@ -480,13 +480,14 @@ def test_the_preflight_never_loads_torch_on_the_login_node(tmp_path: Path) -> No
         "cfg, _ = compose_config(['site=osc', 'ps.address=127.0.0.1:9', 'model=llama3_1b', 'data.tokenizer=gpt2',"
         f" 'model.init_from={tmp_path}'])\n"
         f"found = preflight(cfg, Path({str(tmp_path)!r}), cfg.ps.address)\n"
-        "print([f.what for f in found if f.level == 'error'], 'torch' in sys.modules)"
+        "print([f.what for f in found if f.level == 'error' and f.what != 'disk'], 'torch' in sys.modules)"
     )
     env = {**os.environ, "PATH": login_env(tmp_path)["PATH"]}
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, env=env
     ).stdout
-    assert out.strip() == "['model', 'ps'] False"  # init_from (no safetensors) and the PS (none) checked; no torch
+    # init_from (no safetensors) and the PS (none) checked, no torch; the disk's verdict depends on this machine's room
+    assert out.strip() == "['model', 'ps'] False"
 
 
 def test_a_failed_job_shows_the_first_error_not_what_failed_while_cleaning_up() -> None:

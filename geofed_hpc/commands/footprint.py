@@ -47,17 +47,20 @@ def nearest_folder(path: Path) -> Path:
     return here
 
 
-def _run(args: Sequence[str]) -> str | None:
-    """stdout of a quota command, or None when it is missing, fails or hangs."""
+def run_command(args: Sequence[str], timeout: timedelta = QUOTA_TIMEOUT) -> str | None:
+    """stdout of a login node's query (a quota command, sinfo, sacctmgr), or None when the command is missing,
+    fails or hangs past `timeout`."""
     if shutil.which(args[0]) is None:
         return None
     try:
-        out = subprocess.run(
-            list(args), capture_output=True, text=True, timeout=QUOTA_TIMEOUT.total_seconds(), check=False
-        )
+        out = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout.total_seconds(), check=False)
     except (subprocess.TimeoutExpired, OSError):
         return None
     return out.stdout if out.returncode == 0 else None
+
+
+def _run(args: Sequence[str]) -> str | None:
+    return run_command(args, QUOTA_TIMEOUT)
 
 
 def _room(numbers: Sequence[str]) -> int | None:

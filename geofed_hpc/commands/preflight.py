@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -14,6 +13,7 @@ from typing import Literal
 
 from geofed_hpc.ckpt import CheckpointStore, read_meta
 from geofed_hpc.commands.footprint import check_run
+from geofed_hpc.commands.footprint import run_command as login_query
 from geofed_hpc.config import RunConfig
 from geofed_hpc.config.fields import split_host_port
 from geofed_hpc.config.run import shape_difference
@@ -41,15 +41,7 @@ class Finding:
 
 def run_command(args: Sequence[str]) -> str | None:
     """stdout of a Slurm query, or None when the command is missing, fails or hangs."""
-    if shutil.which(args[0]) is None:
-        return None
-    try:
-        out = subprocess.run(
-            list(args), capture_output=True, text=True, timeout=SLURM_TIMEOUT.total_seconds(), check=False
-        )
-    except (subprocess.TimeoutExpired, OSError):
-        return None
-    return out.stdout if out.returncode == 0 else None
+    return login_query(args, SLURM_TIMEOUT)
 
 
 def check_model(cfg: RunConfig) -> list[Finding]:
