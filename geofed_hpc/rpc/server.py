@@ -239,7 +239,7 @@ class _Route:
                 return answer(caller, progress)
         except grpc.RpcError as exc:  # the client went away mid-stream (or the watchdog ended the call)
             obs.failed(exc)
-            _abort(context, self.name, UnavailableError(f"stream broken by the client: {exc}"))
+            _abort(context, self.name, _broken(exc))
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status, never a crash
             obs.failed(exc)
             _abort(context, self.name, exc)
@@ -256,7 +256,7 @@ class _Route:
                 yield from self._responses(answer(caller, progress), progress)
         except grpc.RpcError as exc:  # the client went away mid-stream
             obs.failed(exc)
-            _abort(context, self.name, UnavailableError(f"stream broken by the client: {exc}"))
+            _abort(context, self.name, _broken(exc))
         except Exception as exc:  # noqa: BLE001
             obs.failed(exc)
             _abort(context, self.name, exc)
@@ -351,3 +351,10 @@ def start_server(handler: Handler, authority: Authority, cfg: PSConfig, on_rpc: 
     serde.set_health(health, serving=True)
     logger.info("parameter server listening on %s:%d (%s)", cfg.host, port, "plaintext" if cfg.insecure else "TLS")
     return RunningServer(server, port, health, watchdog)
+
+
+def _broken(exc: grpc.RpcError) -> UnavailableError:
+    """A request stream that failed under the handler: the client cancelled, or the connection dropped (gRPC's own
+    error then says nothing)."""
+    said = str(exc).strip()
+    return UnavailableError(f"stream broken by the client: {said or 'cancelled, or the connection dropped mid-stream'}")
