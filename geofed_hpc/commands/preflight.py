@@ -213,8 +213,10 @@ def _dial(cfg: RunConfig, address: str, host: str) -> Finding:
         with PSClient(cfg.ps, address) as client:
             reply = client.status(cfg.site.token)
     except AuthError as exc:
-        what = "site.token" if cfg.site.token else "site.token is empty and"
-        return Finding("error", "token", f"{what}: the parameter server at {address} refuses it ({exc})")
+        if not cfg.site.token:
+            text = f"site.token is empty and the parameter server at {address} needs one ({exc}): run `geofed-hpc "
+            return Finding("error", "token", text + f"token issue site={cfg.site.name}` there, pass site.token=...")
+        return Finding("error", "token", f"site.token: the parameter server at {address} refuses it ({exc})")
     except PermissionDeniedError as exc:
         return Finding("error", "tls", f"ps.client_cert_file: the parameter server at {address} refuses it ({exc})")
     except UnavailableError as exc:
