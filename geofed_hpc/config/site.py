@@ -20,14 +20,14 @@ GPU_TYPES = (
 )  # fmt: skip
 
 _SBATCH_OPTION = pattern(r"[a-z][a-z0-9_-]*", "expected sbatch option names without the leading --, got {value!r}")
-_PROXY_URL = re.compile(r"https?://(?P<where>[^\s/@]+)/?")
+_PROXY_URL = re.compile(r"https?://(?:[^\s/@]+@)?(?P<where>[^\s/@]+)/?")
 
 
 def _proxy(value: str) -> str:
-    """http://host:port (the port in 1..65535), or empty."""
+    """http://[user:pass@]host:port (the port in 1..65535), or empty."""
     match = _PROXY_URL.fullmatch(value)
     if value and not match:
-        raise ValueError(f"expected http://host:port, got {value!r}")
+        raise ValueError(f"expected http://[USER:PASS@]host:port, got {value.rsplit('@', 1)[-1]!r}")
     if match and ":" in match.group("where").rsplit("]", 1)[-1]:
         split_host_port(match.group("where"))
     return value
@@ -88,7 +88,9 @@ class SiteConfig:
     use_srun: StrictBool = True
     """Start the tasks with srun inside the job."""
     proxy: Annotated[str, AfterValidator(_proxy)] = ""
-    """http://host:port when compute nodes reach the internet only through it ("": none)."""
+    """http://[USER:PASS@]host:port when compute nodes reach the internet only through it ("": none). The PS's
+    connection tunnels through it with HTTP CONNECT, TLS end to end; many proxies allow CONNECT only to port 443,
+    so run the PS on ps.port=443 for such a cluster."""
     run_dir: str = ""
     """A filesystem every node shares; the run lives in <run_dir>/<federation> ("": the top-level run_dir)."""
     shared_fs: StrictBool = False

@@ -54,6 +54,7 @@ METRIC_HELP: dict[str, str] = {
     "site/micro_batch": "sequences per forward/backward on each rank, as chosen at the job's start (train.micro_batch)",
     "site/world_size": "training processes (ranks) of the site job, over all its nodes",
     "site/nodes": "nodes of the site job",
+    "site/goodput": "share of the site job's wall-clock since its first step spent inside training steps",
     # the parameter server
     "ps/version": "global model version",
     "ps/active_sites": "sites seen within the liveness window",
@@ -146,6 +147,9 @@ class Recorder:
                 disable_job_creation=True,
                 init_timeout=ONLINE_INIT_TIMEOUT_S if m == "online" else 90.0,
             )
+            # The process-wide settings too: W&B's own telemetry reads them, not the run's, and would otherwise ask
+            # W&B's servers from an offline run (a call nobody asked for, that can only time out on a closed node).
+            wandb.setup(settings=wandb.Settings(mode=m))  # type: ignore[arg-type]
             return wandb.init(
                 mode=m,  # type: ignore[arg-type]
                 dir=str(self.run_dir),

@@ -44,6 +44,8 @@ def client_options(cfg: PSConfig, keepalive_ms: int = CLIENT_KEEPALIVE_MS) -> li
         # a connection of its own, as a site's process has: gRPC would otherwise let every client of one process share
         # one connection, and the PS takes SERVER_MAX_STREAMS_PER_CONNECTION streams on each
         ("grpc.use_local_subchannel_pool", 1),
+        # through a relay or a tunnel, the certificate is still the PS's: checked against its name, not the relay's
+        *([("grpc.ssl_target_name_override", cfg.tls_name)] if cfg.tls_name and not cfg.insecure else []),
     ]
 
 

@@ -18,12 +18,16 @@ from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc import serde
 from geofed_hpc.rpc.channel import channel_credentials, client_options
 from geofed_hpc.rpc.guard import RETRY_PUSHBACK_KEY, bearer
+from geofed_hpc.rpc.proxy import passing
 from geofed_hpc.rpc.retry import MAX_WAIT, Backoff
 from geofed_hpc.rpc.stream import collect, digest, to_chunks
 from geofed_hpc.rpc.tls import diagnose
 
 T = TypeVar("T")
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# What gRPC itself answers, before any handler, to a call beyond the server's maximum_concurrent_rpcs (rpc/server.py):
+# a moment's overload (a storm of Joins, a thousand sites leaving at once), waited out with backoff like UNAVAILABLE.
+GRPC_CONCURRENCY_REFUSAL = "Concurrent RPC limit exceeded"
 # Join, Heartbeat, Status and Health are small and asked again soon: a short retry budget and deadline, so a
 # site's training loop or an operator's `status` never sits through a long outage on them.
 QUICK_BUDGET = timedelta(seconds=4)
@@ -135,7 +139,7 @@ class PSClient:
                 pass
             if why is None:
                 why = self._diagnosis(timedelta(seconds=min(DIAGNOSE_TIMEOUT.total_seconds(), max(left, 0.5))))
-                if why and not why.startswith("TLS handshake with"):
+                if why and not why.startswith("TLS handshake with") and not passing(why):
                     raise UnavailableError(f"{why} (no more connection attempts: retrying cannot fix this)")
             if time.monotonic() >= deadline:
                 raise UnavailableError(self._unreachable(timeout, attempt, why))
@@ -177,7 +181,7 @@ class PSClient:
                         backoff.restart()
                         continue
                 hint = _retry_hint(exc)  # a limit of the PS that says when to come back is waited out too
-                retryable = code in _RETRYABLE or hint is not None
+                retryable = code in _RETRYABLE or hint is not None or _overloaded(exc)
                 wait = backoff.next_wait() if retryable and self.keep_retrying() else None
                 if wait is not None and hint is not None:
                     wait = max(wait, min(hint, MAX_WAIT.total_seconds()))
@@ -331,6 +335,13 @@ def _split_answer(answer: tuple[Any, bytes]) -> tuple[m.SplitHeader, bytes]:
     if not isinstance(header, m.SplitHeader):
         raise ProtocolError(f"the parameter server answered a split call with a {type(header).__name__}")
     return header, payload
+
+
+def _overloaded(exc: grpc.RpcError) -> bool:
+    """The server's gRPC refused the call for its number of calls in flight (no handler saw it, nothing was done)."""
+    return exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (exc.details() or "").startswith(
+        GRPC_CONCURRENCY_REFUSAL
+    )
 
 
 def _retry_hint(exc: grpc.RpcError) -> float | None:

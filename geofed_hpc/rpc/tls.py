@@ -18,8 +18,9 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from geofed_hpc.config import PSConfig
-from geofed_hpc.errors import ConfigError
+from geofed_hpc.errors import ConfigError, UnavailableError
 from geofed_hpc.log import logger
+from geofed_hpc.rpc.proxy import open_path
 
 DEFAULT_DIR = "~/.geofed/ps"
 CA_VALIDITY = timedelta(days=3650)
@@ -303,7 +304,9 @@ def diagnose(address: str, cfg: PSConfig, timeout: timedelta = timedelta(seconds
     host, port = address.rsplit(":", 1)
     host = host.strip("[]")
     try:
-        raw = socket.create_connection((host, int(port)), timeout=timeout.total_seconds())
+        raw = open_path(host, int(port), timeout)  # through the proxy gRPC uses, when there is one
+    except UnavailableError as exc:
+        return str(exc)
     except OSError as exc:
         return f"nothing answers at {address} ({exc.strerror or exc}): is `geofed-hpc ps up` running, is the port open?"
     with raw:
@@ -318,7 +321,7 @@ def diagnose(address: str, cfg: PSConfig, timeout: timedelta = timedelta(seconds
                 f"the parameter server at {address} speaks TLS but this client is plaintext (ps.insecure=true): "
                 "set ps.insecure=false and ps.ca_file=<the federation's ca.crt>"
             )
-        return _diagnose_tls(raw, host, address, cfg)
+        return _diagnose_tls(raw, cfg.tls_name or host, address, cfg)
 
 
 def _diagnose_tls(raw: socket.socket, host: str, address: str, cfg: PSConfig) -> str:
@@ -336,6 +339,7 @@ def _diagnose_tls(raw: socket.socket, host: str, address: str, cfg: PSConfig) ->
             f"the certificate of the parameter server at {address} does not verify against ps.ca_file "
             f"({cfg.ca_file}): {exc.verify_message}; use the ca.crt that `ps init` wrote on the PS, or add "
             f"{host} to ps.tls_names there and rerun `ps init ps.tls_overwrite=true`"
+            + ("" if cfg.tls_name else "; through a relay or SSH tunnel, set ps.tls_name=<a name of the PS's cert>")
         )
     except ssl.SSLError as exc:
         if "WRONG_VERSION_NUMBER" in str(exc) or "RECORD_LAYER" in str(exc).upper():
