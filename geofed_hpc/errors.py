@@ -33,6 +33,19 @@ class CheckpointError(GeofedError):
     """A checkpoint or snapshot file is missing, truncated or corrupt."""
 
 
+class StoreError(GeofedError, OSError):
+    """An object store (or the folder standing in for one) refused or failed a request; the message names the
+    object's URL and what to do. An OSError too: what survives a full disk survives a store that refuses writes.
+    `missing`: the object is not there."""
+
+    def __init__(self, message: str, missing: bool = False) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class AuthError(GeofedError):
     """A token or session is unknown, used or revoked."""
 

@@ -61,13 +61,17 @@ def cmd_launch(cfg: RunConfig) -> int:
     check_local_device(cfg)  # the sites run here: train.device=cuda without a GPU fails now, not in each job
     run_dir = writable_dir(run_dir, "run_dir")
     _checked(preflight(cfg, run_dir, address, probe=False))  # the PS is probed below, by connecting
+    from geofed_hpc.ckpt.objects import is_remote
     from geofed_hpc.ps.app import ParameterServer
     from geofed_hpc.rpc.client import PSClient
 
     cfg = replace(cfg, run_dir=str(run_dir))
     ps = None
     if cfg.site.embedded_ps:
-        state_dir = str(writable_dir(cfg.ps.state_dir or run_dir / "ps", "ps.state_dir"))
+        remote = is_remote(cfg.ps.state_dir)  # s3://...: the PS keeps its working folder (ps.state_cache) itself
+        state_dir = (
+            cfg.ps.state_dir if remote else str(writable_dir(cfg.ps.state_dir or run_dir / "ps", "ps.state_dir"))
+        )
         ps = ParameterServer(replace(cfg, ps=replace(cfg.ps, state_dir=state_dir)))
         address = ps.address
         print(f"parameter server (embedded) on {address}, state in {state_dir}", flush=True)
@@ -276,11 +280,13 @@ def _status_credential(cfg: RunConfig) -> str:
     """What `status` shows the PS: the operator's admin token when its state directory is here (on the PS's
     machine), else the site's enrollment token (site.token); "" for a PS that needs none."""
     from geofed_hpc.errors import CheckpointError
+    from geofed_hpc.ps.remote import local_state
     from geofed_hpc.ps.statedir import admin_token
 
-    if cfg.ps.state_dir:
+    local = local_state(cfg.ps)  # ps.state_dir, or the working folder of a state on object storage
+    if local is not None:
         try:
-            admin = admin_token(Path(cfg.ps.state_dir).expanduser(), create=False)
+            admin = admin_token(local, create=False)
         except (CheckpointError, OSError):
             admin = ""  # not the PS's machine, or not readable by this user: the site's token
         if admin:

@@ -25,8 +25,10 @@ def cmd_ps_up(cfg: RunConfig) -> int:
     # torch's C++ store and gloo warnings (a stack trace each time a peer of the group dies) before torch loads: the
     # PS logs each such failure itself, in one line (TORCH_CPP_LOG_LEVEL=WARNING brings them back)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    from geofed_hpc.ckpt.objects import is_remote
     from geofed_hpc.launch.progress import PSProgress
     from geofed_hpc.ps.app import ParameterServer
+    from geofed_hpc.ps.remote import local_state
     from geofed_hpc.ps.statedir import check_state_dir
 
     def expand(path: str) -> str:
@@ -36,10 +38,15 @@ def cmd_ps_up(cfg: RunConfig) -> int:
         return str(writable_dir(path, setting)) if path else ""
 
     init_from = OPTIONS.init_from or cfg.ps.init_from
-    if cfg.ps.state_dir and Path(cfg.ps.state_dir).expanduser().is_dir():  # refused before anything is written there
-        check_state_dir(Path(cfg.ps.state_dir))  # when other users may write in it
-    state_dir, staging_dir = writable(cfg.ps.state_dir, "ps.state_dir"), writable(cfg.ps.staging_dir, "ps.staging_dir")
-    ps_cfg = replace(cfg.ps, state_dir=state_dir, staging_dir=staging_dir, init_from=expand(init_from))
+    remote = is_remote(cfg.ps.state_dir)  # s3://...: the state lives there, this folder is its working copy
+    local, setting = local_state(cfg.ps), "ps.state_cache" if remote else "ps.state_dir"
+    if local is not None and local.is_dir():  # refused before anything is written there
+        check_state_dir(local, setting)  # when other users may write in it
+    state_dir = cfg.ps.state_dir if remote else writable(str(local) if local else "", setting)
+    cache = writable(str(local), setting) if remote else cfg.ps.state_cache
+    staging_dir = writable(cfg.ps.staging_dir, "ps.staging_dir")
+    init_from = expand(init_from)
+    ps_cfg = replace(cfg.ps, state_dir=state_dir, state_cache=cache, staging_dir=staging_dir, init_from=init_from)
     server = ParameterServer(replace(cfg, ps=ps_cfg))
     logic = server.logic
     model = f"version {logic.version}" if logic.initialized else "no model yet (the first site uploads it)"
@@ -110,6 +117,11 @@ def _token_file(cfg: RunConfig) -> Any:
     from geofed_hpc.ps.statedir import check_state_dir
     from geofed_hpc.ps.tokens import TokenFile, tokens_path
 
+    if cfg.ps.state_dir.startswith("s3://"):
+        raise ConfigError(
+            f"ps.state_dir: tokens of a PS whose state is in {cfg.ps.state_dir} are kept in its working folder: run "
+            "this on the PS's machine with ps.state_dir=<its ps.state_cache>; the running PS uploads them"
+        )
     path = tokens_path(cfg.ps.state_dir)
     writable_dir(path.parent, "ps.state_dir")
     check_state_dir(path.parent)  # the PS's private folder (0700), refused when others may write in it

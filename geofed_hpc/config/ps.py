@@ -39,6 +39,9 @@ class PSConfig:
     """PS: its TLS private key."""
     ca_file: str = ""
     """Sites: the CA that signed the PS's certificate."""
+    tls_name: str = ""
+    """Sites: the name the PS's certificate is checked against when ps.address is not the PS itself but a relay or
+    an SSH tunnel to it (ps.address=login1:50051 ps.tls_name=vm.example.org); "": the host of ps.address."""
     client_ca_file: str = ""
     """Mutual TLS, PS: accept only sites whose certificate this CA signed ("": server-only TLS)."""
     client_cert_file: str = ""
@@ -85,7 +88,11 @@ class PSConfig:
     max_staleness: Annotated[StrictInt, Field(ge=0)] = 4
     """Deltas older than this many versions are refused and the site pulls again."""
     state_dir: str = ""
-    """Global model snapshots ("": in memory only; `launch` uses <run_dir>/ps)."""
+    """Global model snapshots ("": in memory only; `launch` uses <run_dir>/ps); a folder, or s3://bucket/prefix to
+    keep them on object storage (endpoint and credentials from the standard AWS variables and files)."""
+    state_cache: str = ""
+    """With state_dir=s3://...: the local working folder written through to it ("": ~/.geofed/ps/cache/<bucket>/
+    <prefix>); any folder works, a new machine starts with an empty one."""
     staging_dir: str = ""
     """Where pushes land while their checksum is verified ("": <state_dir>/staging, or a temp dir the PS removes on
     a clean stop); made again should it disappear while the PS runs."""
@@ -169,6 +176,11 @@ class PSConfig:
     its staleness as the mode does) and apply them together this often (sync rounds: unused)."""
 
     def __post_init__(self) -> None:
+        check(
+            not self.state_dir.startswith("s3://") or bool(self.state_dir[5:].split("/")[0]),
+            "ps.state_dir",
+            f"{self.state_dir!r} names no bucket; write s3://BUCKET/PREFIX",
+        )
         check(
             self.max_sessions >= self.max_sessions_per_site,
             "ps.max_sessions",

@@ -11,12 +11,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from geofed_hpc.config import RunConfig, to_dict
+from geofed_hpc.config import RunConfig
+from geofed_hpc.config.run import shareable
 from geofed_hpc.config.train import SPLIT_PARADIGMS
 from geofed_hpc.log import logger
 from geofed_hpc.metrics.prometheus import PrometheusExporter
 from geofed_hpc.metrics.recorder import Recorder
 from geofed_hpc.paradigms import exchange_for
+from geofed_hpc.ps.remote import local_state
 from geofed_hpc.ps.servicer import ParameterServerLogic
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.server import start_server
@@ -131,14 +133,14 @@ class ParameterServer:
         ps = self.cfg.ps
         if not ps.state_dir and ps.metrics_port <= 0:
             return None
-        root = Path(ps.state_dir).expanduser() if ps.state_dir else Path(self.cfg.run_dir)
+        root = local_state(ps) or Path(self.cfg.run_dir)
         return Recorder(
             root / "metrics",
             "ps",
             job_type="ps",
             group=self.cfg.federation,
             wandb_mode=self.cfg.wandb_mode,
-            config=to_dict(self.cfg),
+            config=shareable(self.cfg),
         )
 
     def _record(self, force: bool = False) -> None:

@@ -22,12 +22,13 @@ from geofed_hpc.ps.ledger import PushLedger, resent
 from geofed_hpc.ps.model import GlobalModel, NonFiniteUpdate
 from geofed_hpc.ps.observe import Contribution, Observer
 from geofed_hpc.ps.persist import Persistence, load_init
+from geofed_hpc.ps.remote import local_state, remote_state
 from geofed_hpc.ps.rounds import Prepared, RoundTotals
 from geofed_hpc.ps.sessions import Session, SessionTable, handle_of
 from geofed_hpc.ps.staging import Staging, decode_delta
 from geofed_hpc.ps.statedir import check_state_dir, require_tokens
 from geofed_hpc.ps.strategy import strategy_for
-from geofed_hpc.ps.tokens import TokenVerifier, tokens_path
+from geofed_hpc.ps.tokens import TOKENS_FILE, TokenVerifier
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.guard import Caller
 
@@ -77,19 +78,23 @@ class Coordinator:
         self._published = 0  # counts the model's moves, under `_versions`
         self._closing = False
         self.group_status: Callable[[m.StatusReply], None] | None = None  # adds what the PS group shows
-        state = Path(cfg.state_dir).expanduser() if cfg.state_dir else None
+        state = local_state(cfg)  # ps.state_dir, or the working folder of a state on object storage
+        remote = remote_state(cfg, state)
         if state is not None:  # private, or the PS does not start; a token file there: Join needs a token for good
-            check_state_dir(state)
-            if tokens_path(cfg.state_dir).exists():
+            check_state_dir(state, "ps.state_cache" if remote else "ps.state_dir")
+            if remote is not None:
+                remote.pull()
+            if (state / TOKENS_FILE).exists():
                 require_tokens(state)
-        tokens = TokenVerifier(tokens_path(cfg.state_dir) if cfg.state_dir else None, cfg.enroll_token)
+        tokens = TokenVerifier(state / TOKENS_FILE if state else None, cfg.enroll_token)
         idle_after = 3 * cfg.round_timeout.total_seconds()
         self.sessions = SessionTable(tokens, clock, idle_after, cfg.max_sessions, cfg.max_sessions_per_site)
         self.model = GlobalModel(cfg, settings, exchange, state / "updates" if state else None, codec)
         self.strategy = strategy_for(cfg, staging, clock)
         self.ledger = PushLedger()
         stamp = {"aggregation": cfg.aggregation, "outer_optimizer": cfg.outer_optimizer, "paradigm": settings.paradigm}
-        self.persistence = Persistence(state, stamp)
+        self.persistence = Persistence(state, stamp, remote)
+        self.persistence.keep()
         self.observer = Observer()
         self._restore()
         if self.peer_sync:  # a peer that restarts: its sites may have failed over; a round waits for those back
@@ -124,6 +129,8 @@ class Coordinator:
                 self.observer.val_loss(session.site, request.version, request.val_loss)
                 metrics = {"val/loss": request.val_loss, "sync/version": request.version}
                 self.observer.site_metrics(session.site, metrics)
+            if request.goodput > 0 and math.isfinite(request.goodput):
+                self.observer.site_metrics(session.site, {"site/goodput": request.goodput})
             if request.leaving:
                 self.sessions.leave(request.session_id)
             self._maybe_close()
@@ -454,6 +461,7 @@ class Coordinator:
         """Close a round whose deadline passed; called periodically by the server loop."""
         with self._cond:
             self._maybe_close()
+            self.persistence.keep()  # token records issued here meanwhile go to the object store too
 
     def begin_shutdown(self) -> None:
         """Stop long-polls from waiting (they answer with what they have); pushes in flight go on."""

@@ -100,7 +100,12 @@ class RoundJournal:
         fields["sha256"] = header.sha256.hex()
         meta = {"version": version, "site": site, "header": fields}
         atomic_write_bytes(self.directory / f"{name}.json", json.dumps(meta).encode(), mode=PRIVATE_FILE)
+        self._durable(name)
         fault("ps.journal", header.push_id)
+
+    def _durable(self, name: str) -> None:
+        """The entry `name` is on disk; a journal that also keeps it elsewhere (ps/remote.py) copies it here, and
+        raises OSError, having removed it, when it cannot."""
 
     def entries(self) -> list[Entry]:
         """Every complete entry, oldest first; damaged ones are set aside, each with an error line."""

@@ -17,6 +17,7 @@ from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
 from geofed_hpc.ps.aggregate import Params
 from geofed_hpc.ps.journal import Entry, RoundJournal
+from geofed_hpc.ps.remote import RemoteState
 from geofed_hpc.rpc import messages as m
 
 FORMAT = 1
@@ -132,9 +133,11 @@ class Persistence:
     model, sessions and push ids together, and a journaled delta is on disk before its push is answered.
     """
 
-    def __init__(self, directory: Path | None, stamp: dict[str, str]) -> None:
+    def __init__(self, directory: Path | None, stamp: dict[str, str], remote: RemoteState | None = None) -> None:
         self._snapshots = Snapshots(directory) if directory else None
-        self._journal = RoundJournal(directory / "round") if directory else None
+        self._remote = remote  # ps.state_dir on object storage: `directory` is its working folder (ps/remote.py)
+        journal = remote.journal if remote is not None else RoundJournal
+        self._journal = journal(directory / "round") if directory else None
         self.stamp = stamp  # the settings each snapshot records; a snapshot of another "paradigm" is refused
         self.snapshot_version = -1
 
@@ -174,6 +177,8 @@ class Persistence:
         state.settings = dict(self.stamp)
         try:
             path = self._snapshots.save(state)
+            if self._remote is not None:
+                self._remote.commit(path, state.version)
         except (OSError, CheckpointError) as exc:
             logger.error("snapshot of version %d failed (the previous one stays loadable): %s", state.version, exc)
             return False
@@ -181,6 +186,11 @@ class Persistence:
         logger.debug("snapshot of version %d written to %s", state.version, path)
         fault("ps.snapshot", str(state.version))
         return True
+
+    def keep(self) -> None:
+        """With the state on object storage: upload the token records that changed here."""
+        if self._remote is not None:
+            self._remote.keep()
 
     def record(self, staged: Path, header: m.PushHeader, site: str, version: int) -> None:
         """Journal a delta admitted to the round open at `version` (its staged payload, fsynced already), before

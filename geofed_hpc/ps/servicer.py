@@ -25,6 +25,7 @@ from geofed_hpc.ps.gate import Gate
 from geofed_hpc.ps.grouped import GroupedCoordinator
 from geofed_hpc.ps.ingest import Ingest
 from geofed_hpc.ps.journal import sync_file
+from geofed_hpc.ps.remote import local_state
 from geofed_hpc.ps.sessions import Session
 from geofed_hpc.ps.slots import FairSlots
 from geofed_hpc.ps.staging import Staging, decode_delta, decode_push
@@ -68,7 +69,7 @@ class ParameterServerLogic:
         admin: str = "",
     ) -> None:
         self.cfg = cfg
-        state = Path(cfg.state_dir).expanduser() if cfg.state_dir else None
+        state = local_state(cfg)
         self.staging = Staging(cfg.staging_dir or (state / "staging" if state else None))
         try:
             kind = GroupedCoordinator if cfg.grouped else Coordinator

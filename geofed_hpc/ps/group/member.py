@@ -19,6 +19,7 @@ from geofed_hpc.ps.group.collectives import PeerLost, Traffic, allgather_bytes, 
 from geofed_hpc.ps.group.membership import Joined, StoreLost, connect, form, joiners, leave, reform, succeed
 from geofed_hpc.ps.group.reduce import Reduced, merged, pack_state, reduce_round, unpack_state
 from geofed_hpc.ps.group.sync import Decision, SyncPoint, decide
+from geofed_hpc.ps.remote import local_state
 from geofed_hpc.ps.rounds import RoundTotals
 from geofed_hpc.rpc import messages as m
 
@@ -214,7 +215,7 @@ class PeerGroup:
             allreduce_bytes=t.nbytes,
             allreduce_s=round(t.seconds, 6),
         )
-        path = Path(self.cfg.state_dir).expanduser() / GROUP_LOG
+        path = (local_state(self.cfg) or Path()) / GROUP_LOG
         try:
             with open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, PRIVATE_FILE), "a") as f:
                 f.write(json.dumps(row) + "\n")

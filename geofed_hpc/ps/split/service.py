@@ -6,7 +6,6 @@ import itertools
 import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 
 import numpy as np
 
@@ -17,6 +16,7 @@ from geofed_hpc.errors import CodecError, LimitError, MismatchError, ProtocolErr
 from geofed_hpc.log import logger
 from geofed_hpc.paradigms.cutserver import CutServer
 from geofed_hpc.paradigms.exchange import Params
+from geofed_hpc.ps.remote import local_state
 from geofed_hpc.ps.split.store import SplitSnapshots
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import collect, digest, to_chunks
@@ -54,7 +54,7 @@ class SplitService:
         self.last_loss = math.nan
         self._saved_version = 0
         self._saved_at: tuple[int, int] = (0, 0)  # (server steps, alignments) at the last snapshot
-        self.snapshots = SplitSnapshots(Path(cfg.ps.state_dir).expanduser() if cfg.ps.state_dir else None)
+        self.snapshots = SplitSnapshots(local_state(cfg.ps))  # kept on this machine only
         loaded = self.snapshots.load()
         if loaded is not None:
             tensors, meta, path = loaded
