@@ -232,3 +232,18 @@ def test_a_token_file_mangled_under_a_running_ps_keeps_the_tokens_read_before(
     TokenFile(path).issue("tacc", timedelta(0))
     assert [r.site for r in verifier.records() or []] == ["tacc"] and verifier.readable  # mended: read again
     assert TokenVerifier(None).records() is None
+
+
+def test_tokens_issued_together_each_admit_only_their_own_site(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.json"
+    issued = TokenFile(path).issue_many(["a", "b", "c"], timedelta(days=1))
+    assert [r.site for r in TokenFile(path).read()] == ["a", "b", "c"]
+    assert len({token for token, _ in issued}) == 3 and all(token not in path.read_text() for token, _ in issued)
+    verifier = TokenVerifier(path)
+    for site, (token, record) in zip("abc", issued, strict=True):
+        assert verifier.check(site, token) == record.id
+    with pytest.raises(AuthError, match="is for site 'a'"):
+        verifier.check("b", issued[0][0])
+    with pytest.raises(ConfigError):
+        TokenFile(path).issue_many(["ok", "not a name"], timedelta(days=1))
+    assert len(TokenFile(path).read()) == 3  # a bad name issues none of them
