@@ -24,7 +24,13 @@ ACTIONS = ("kill", "enospc", "eio", "exit")
 #   split.snapshot ps/split/store.py, a snapshot of the split server part was written (label: why:n, why being
 #                  version, align or stop, n its number)
 #   rpc.push       rpc/client.py, a push's first chunk is on the wire and the rest is not
+#   store.put      ckpt/objects.py, an object is about to be written to a store (label: its key, e.g.
+#                  snapshots/global-000000003.gft, manifest.json, round/<entry>.push)
+#   store.chunk    ckpt/objects.py, a part of an object streamed to S3 was handed over, the rest not (label: its key)
 #   site.step      client/trainer.py, rank 0 finished a local step (label: the site's lifetime step count)
+#                  and client/api.py, Site.step of a user's loop (label: its step count, site.steps)
+#   site.ckpt_write client/checkpoints.py, the background writer took a staged checkpoint and is about to write it
+#                  while the next interval trains (label: its file name, e.g. site-000000002.gft)
 _SPEC = re.compile(r"^(?P<point>[a-z_.]+)(\[(?P<label>[^\]]*)\])?(@(?P<nth>\d+))?=(?P<action>[a-z]+)$")
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,7 @@ from geofed_hpc.config.train import KEEP_LATEST
 from geofed_hpc.data import BatchSampler
 from geofed_hpc.data.squad import QASampler
 from geofed_hpc.errors import CheckpointError
+from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
 from geofed_hpc.paradigms.exchange import Params
 from geofed_hpc.paradigms.site import SiteParadigm
@@ -69,10 +73,74 @@ class SiteParts:
     evaluation: Evaluation
 
 
+class BackgroundWriter:
+    """Writes one staged checkpoint at a time on a thread of its own while training goes on.
+
+    At most one write is in flight: a new one first waits for the previous to finish (it never supersedes it, so
+    the files land in the order they were taken and push.json never runs ahead of the newest durable checkpoint).
+    A write that failed raises its error in the training thread at the next `wait()` (the next checkpoint, push
+    record or stop), as a synchronous write would have; the previous complete checkpoint stays the latest. The
+    thread logs nothing (a signal handler may wait for it while it holds the log's lock): `wait()` logs for it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._done: tuple[Path, float] | None = None
+        self.written = 0  # background writes finished since the job started
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None
+
+    def submit(self, write: Callable[[], Path]) -> None:
+        """Run `write()` (it writes a staged checkpoint and returns its path) on the writer thread."""
+        self.wait()
+
+        def run() -> None:
+            t0 = time.monotonic()
+            try:
+                self._done = (write(), time.monotonic() - t0)
+            except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
+                self._error = exc
+
+        # not a daemon: a job that ends normally finishes the write before the interpreter exits
+        self._thread = threading.Thread(target=run, name=f"{self.name}-checkpoint-writer")
+        self._thread.start()
+
+    def wait(self) -> Path | None:
+        """Wait for the write in flight, if any; its path (None: none was in flight). Its error is raised here."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return None
+        thread.join()
+        error, done, self._error, self._done = self._error, self._done, None, None
+        if error is not None:
+            raise error
+        assert done is not None
+        self.written += 1
+        path, seconds = done
+        logger.debug("%s: checkpoint %s written in the background in %.2fs", self.name, path.name, seconds)
+        return path
+
+
+def _staged(arrays: Mapping[str, np.ndarray], copy_all: bool) -> dict[str, np.ndarray]:
+    """A host-memory copy of checkpoint tensors that training can no longer change (`copy_all` False: arrays
+    that are fresh host copies already, a GPU model's, are taken as they are)."""
+    return {k: np.array(v, copy=True) if copy_all else v for k, v in arrays.items()}
+
+
 class SiteCheckpoints:
     """Writes and reads the site's checkpoints in `directory` (site-<syncs>.gft, the two latest kept, each with all
     a resume needs; the train.keep_best lowest validation losses in best/, the model's weights only). Every part's
-    state goes in through its public fields."""
+    state goes in through its public fields.
+
+    The checkpoint after each sync may be written in the background (train.background_checkpoint): its state is
+    staged in host memory at once (a copy of the model, optimizer state and the rest: about 16 bytes a parameter)
+    and written by `writer` while the next interval trains. Every other write (a stop's, a deferral's, a resume's)
+    waits for it first and is synchronous, and so is the push record before a push goes out: a job killed while a
+    background write is in flight finds the previous complete checkpoint and the record of the push after it,
+    which is exactly the state a kill between a push and its checkpoint always left (see `push_record`)."""
 
     def __init__(self, cfg: RunConfig, directory: Path, parts: SiteParts, job_id: str) -> None:
         self.cfg, self.parts, self.job_id = cfg, parts, job_id
@@ -81,10 +149,25 @@ class SiteCheckpoints:
         self.index = ShardIndex(directory)  # multi-rank sites: the DCP shard folders each file refers to
         parts.group.shard_root = directory
         self.stamp = 0
+        self.writer = BackgroundWriter(parts.replica.name)
+
+    def flush(self) -> Path | None:
+        """Wait until the checkpoint being written in the background, if any, is on disk (its error raised)."""
+        return self.writer.wait()
+
+    def settle(self) -> None:
+        """Before the job leaves: the background write finished; one that failed is logged (the previous complete
+        checkpoint and the push record stand, and a resume reads them)."""
+        try:
+            self.writer.wait()
+        except (OSError, CheckpointError) as exc:
+            logger.error("%s: the checkpoint written in the background failed: %s", self.parts.replica.name, exc)
 
     def record_push(self, header: m.PushHeader, draws: int, tokens_seen: int, syncs_after: int) -> None:
         """Before a push goes out: what it carries, on disk (push.json). A job killed after the PS applied it and
-        before the checkpoint after it finds it there and skips its batches instead of training them again."""
+        before the checkpoint after it finds it there and skips its batches instead of training them again. The
+        checkpoint before the push is durable first: the record always follows the newest complete checkpoint."""
+        self.flush()
         record = {
             "push_id": header.push_id,
             "base_version": header.base_version,
@@ -111,15 +194,23 @@ class SiteCheckpoints:
         """Whether `directory` holds a site checkpoint (the job is a resume: weights come from disk)."""
         return CheckpointStore(directory, prefix="site").latest_step() is not None
 
-    def save(self, pending: dict[str, Any] | None = None, pushed: bool = False) -> Path:
+    def save(self, pending: dict[str, Any] | None = None, pushed: bool = False, background: bool = False) -> Path:
         """Checkpoint; `pending`: unpushed work (kept with its base, and what of it is deferred), `pushed`: the
-        delta is in. Returns the file written."""
+        delta is in. Returns the file written (`background`: the file being written: its state is staged now and
+        written by `writer` while training goes on; a multi-rank site's ranks stage and write their shards with DCP's
+        async_save)."""
+        self.flush()
         p = self.parts
+        background = background and not pending and not pushed
+        if background and p.group.multi and p.replica.exact and p.evaluation.version == p.replica.version:
+            # a best checkpoint's shards are written at once, before the background save begins (a save of shards
+            # waits for the one before it)
+            self.keep_best(p.evaluation.val_loss, p.progress.syncs, self.store.path_for(p.progress.syncs).name, True)
         tensors: dict[str, np.ndarray] = {}
         shards: dict[str, Any] | None = None
         if p.group.multi:  # each rank writes its shard of the model and optimizer (DCP); the file refers to them
             self.stamp = new_stamp(self.stamp)
-            shards = shard_meta(p.group.save_shards(self.stamp), p.group.world_size)
+            shards = shard_meta(p.group.save_shards(self.stamp, background=background), p.group.world_size)
         else:
             tensors.update({f"model/{k}": v for k, v in p.group.model_arrays().items()})
             tensors.update(p.group.optimizer_arrays())  # optim/<param>/<key>
@@ -150,34 +241,76 @@ class SiteCheckpoints:
             "model": model_shape(self.cfg),
             **({"shards": shards} if shards else {}),
         }
+        best = bool(meta["global_model"]) and p.evaluation.version == p.replica.version  # val_loss: this model's
+        what = f", {pending['steps']:g} unpushed steps" if pending else ", after a push" if pushed else ""
+        if background:
+            return self._save_in_background(syncs, tensors, meta, best and not shards, what)
         if shards:
             self.index.add(self.store.path_for(syncs).name, shards["dir"])
         path = self.store.save(syncs, tensors, meta)
         if shards:
             self.index.settle(path.name, shards["dir"])
-        if meta["global_model"] and p.evaluation.version == p.replica.version:  # val_loss is this model's
+        if best:
             self.keep_best(p.evaluation.val_loss, syncs, path.name, global_model=True)
-        what = f", {pending['steps']:g} unpushed steps" if pending else ", after a push" if pushed else ""
         logger.info("%s: checkpoint %s (version %d, %d syncs%s)", p.replica.name, path, p.replica.version, syncs, what)
+        return path
+
+    def _save_in_background(
+        self, syncs: int, tensors: dict[str, np.ndarray], meta: dict[str, Any], best: bool, what: str
+    ) -> Path:
+        """Stage the checkpoint in host memory and hand it to the writer; the path it is being written to."""
+        p = self.parts
+        on_cpu = p.group.stepper.device.type == "cpu"  # the model and optimizer arrays are views of live tensors
+        staged = {
+            **_staged({k: v for k, v in tensors.items() if k.startswith(("model/", "optim/"))}, on_cpu),
+            **_staged({k: v for k, v in tensors.items() if not k.startswith(("model/", "optim/"))}, True),
+        }
+        del tensors
+        meta = copy.deepcopy(meta)
+        path = self.store.path_for(syncs)
+        loss = p.evaluation.val_loss
+        best_meta = self._best_meta(loss, global_model=True) if best and self.best.would_keep(loss) else None
+        shards = meta.get("shards")
+
+        def write() -> Path:
+            fault("site.ckpt_write", path.name)
+            if shards:  # every rank's shards are written, their folder in place, listed before the file names it
+                p.group.finish_shards()
+                self.index.add(path.name, shards["dir"])
+            written = self.store.save(syncs, staged, meta)
+            if shards:
+                self.index.settle(written.name, shards["dir"])
+            if best_meta is not None:
+                weights = {k: v for k, v in staged.items() if k.startswith("model/")}
+                private_dirs(self.best.directory)
+                self.best.admit(
+                    written.name,
+                    loss,
+                    syncs,
+                    lambda target: save_tensors(target, weights, best_meta, mode=PRIVATE_FILE),
+                )
+            return written
+
+        self.writer.submit(write)
+        logger.info(
+            "%s: checkpoint %s (version %d, %d syncs%s) staged, writing in the background",
+            p.replica.name,
+            path,
+            meta["version"],
+            syncs,
+            what,
+        )
         return path
 
     def keep_best(self, loss: float, step: int, name: str, global_model: bool) -> bool:
         """Keep the model as it is now among the best (train.keep_best) as `name` when `loss` is among the lowest:
         its weights only (the optimizer state, sampler and unpushed work are the latest checkpoints'), model/<param>
         tensors in the file, or a shard folder of the weights that the file names in a multi-rank site."""
+        self.flush()  # one writer of best/ at a time
         if not self.best.would_keep(loss):
             return False
         p = self.parts
-        meta = {
-            "version": p.replica.version,
-            "syncs": p.progress.syncs,
-            "tokens_seen": p.progress.tokens_seen,
-            "val_loss": loss,
-            "job_id": self.job_id,
-            "global_model": global_model,  # the PS's model at `version` (else the site's own, mid-interval)
-            "weights_only": True,
-            "model": model_shape(self.cfg),
-        }
+        meta = self._best_meta(loss, global_model)
         private_dirs(self.best.directory)
         if not p.group.multi:
             weights = {f"model/{k}": v for k, v in p.group.model_arrays().items()}
@@ -192,6 +325,19 @@ class SiteCheckpoints:
         )
         self.index.settle(f"best/{name}", shards["dir"])
         return kept
+
+    def _best_meta(self, loss: float, global_model: bool) -> dict[str, Any]:
+        p = self.parts
+        return {
+            "version": p.replica.version,
+            "syncs": p.progress.syncs,
+            "tokens_seen": p.progress.tokens_seen,
+            "val_loss": loss,
+            "job_id": self.job_id,
+            "global_model": global_model,  # the PS's model at `version` (else the site's own, mid-interval)
+            "weights_only": True,
+            "model": model_shape(self.cfg),
+        }
 
     def load(self, fresh: Callable[[], Params] | None = None) -> Restored | None:
         """Load the newest readable checkpoint into the parts. None: there is none (then `fresh()`, if given, is

@@ -22,7 +22,14 @@ from geofed_hpc.client.fsdp import (
     load_full_state,
     param_names,
 )
-from geofed_hpc.client.sharded import Gathered, gather_param, load_shards, save_shards
+from geofed_hpc.client.sharded import (
+    Gathered,
+    PendingShards,
+    gather_param,
+    load_shards,
+    save_shards,
+    start_save_shards,
+)
 from geofed_hpc.client.steps import Stepper
 from geofed_hpc.data import BatchSampler
 from geofed_hpc.data.squad import QAExample, QASampler, greedy_answers, score
@@ -78,6 +85,7 @@ class SiteGroup:
         self.stopped = False
         self.signal = 0  # a stop signal this rank received (followers report it with each step)
         self.shard_root: Path | None = None  # where a multi-rank site's DCP checkpoints go (every rank)
+        self.pending_shards: PendingShards | None = None  # this rank's shards being written in the background
         self._comm = stepper.device if stepper.device.type == "cuda" else torch.device("cpu")
 
     # ------------------------------------------------------------------ command channel
@@ -175,17 +183,32 @@ class SiteGroup:
         with self._collective(Cmd.GATHER_PARAM, param_names(self.model).index(name)):
             return gather_param(self.model, name)
 
-    def save_shards(self, stamp: int, weights_only: bool = False) -> Path:
+    def save_shards(self, stamp: int, weights_only: bool = False, background: bool = False) -> Path:
         """Every rank writes its shard of the model and optimizer (`weights_only`: the model's alone) into
-        shard_root/shards-<stamp> (DCP)."""
+        shard_root/shards-<stamp> (DCP). `background`: staged now and written while training goes on; the folder
+        is in place once `finish_shards()` returned (a save or load waits for the one before it on every rank)."""
         assert self.shard_root is not None
-        with self._collective(Cmd.SAVE_SHARDS, float(stamp), float(weights_only)):
-            return save_shards(self.model, self.optimizer, self.shard_root, stamp, weights_only)
+        with self._collective(Cmd.SAVE_SHARDS, float(stamp), float(weights_only), float(background)):
+            return self._save_shards(stamp, weights_only, background)
+
+    def _save_shards(self, stamp: int, weights_only: bool, background: bool) -> Path:
+        assert self.shard_root is not None
+        self.finish_shards()
+        if background:
+            self.pending_shards = start_save_shards(self.model, self.optimizer, self.shard_root, stamp)
+            return self.pending_shards.final
+        return save_shards(self.model, self.optimizer, self.shard_root, stamp, weights_only)
+
+    def finish_shards(self) -> Path | None:
+        """Wait for this rank's background save of shards, if any (rank 0: then its folder is in place)."""
+        pending, self.pending_shards = self.pending_shards, None
+        return pending.finish() if pending is not None else None
 
     def load_shards(self, stamp: int) -> None:
         """Every rank reads its shard of the model and optimizer from shard_root/shards-<stamp>."""
         assert self.shard_root is not None
         with self._collective(Cmd.LOAD_SHARDS, float(stamp)):
+            self.finish_shards()
             load_shards(self.model, self.optimizer, self.shard_root, stamp)
 
     def optimizer_arrays(self) -> Params:
@@ -285,6 +308,7 @@ class SiteGroup:
         while True:
             cmd, args = self._recv()
             if cmd == Cmd.STOP:
+                self.finish_shards()  # rank 0 waited for its background save: this rank's ends with it
                 return int(args[0])
             if cmd == Cmd.STEP:
                 self.sampler.draws = int(args[0])
@@ -299,10 +323,10 @@ class SiteGroup:
             elif cmd == Cmd.GATHER_PARAM:
                 gather_param(self.model, param_names(self.model)[int(args[0])])
             elif cmd == Cmd.SAVE_SHARDS:
-                assert self.shard_root is not None
-                save_shards(self.model, self.optimizer, self.shard_root, int(args[0]), bool(args[1]))
+                self._save_shards(int(args[0]), bool(args[1]), bool(args[2]))
             elif cmd == Cmd.LOAD_SHARDS:
                 assert self.shard_root is not None
+                self.finish_shards()
                 load_shards(self.model, self.optimizer, self.shard_root, int(args[0]))
             elif cmd == Cmd.GATHER_OPTIM:
                 full_optimizer_state(self.model, self.optimizer)

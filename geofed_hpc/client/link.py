@@ -175,12 +175,13 @@ class PSLink:
             logger.debug("%s: heartbeat failed: %s", self.name, exc)
             return None
 
-    def report(self, version: int, val_loss: float, what: str) -> float | None:
-        """One heartbeat telling the PS the validation loss of the global model at `version` (0: none); its
-        round-trip seconds, None when it failed (logged: `what` says which report)."""
+    def report(self, version: int, val_loss: float, what: str, goodput: float = 0.0) -> float | None:
+        """One heartbeat telling the PS the validation loss of the global model at `version` (0: none) and the site's
+        goodput (0: none); its round-trip seconds, None when it failed (logged: `what` says which report)."""
         t0 = time.monotonic()
         try:
-            self.connected().heartbeat(m.HeartbeatRequest(self.session_id, version, val_loss=val_loss))
+            request = m.HeartbeatRequest(self.session_id, version, val_loss=val_loss, goodput=goodput)
+            self.connected().heartbeat(request)
         except GeofedError as exc:
             logger.warning("%s: %s failed: %s", self.name, what, exc)
             return None

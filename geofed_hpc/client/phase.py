@@ -8,7 +8,7 @@ import enum
 class Phase(enum.Enum):
     """What a stop signal arriving now would find."""
 
-    IDLE = "idle"  # the checkpoint on disk is current: a stop leaves at once
+    IDLE = "idle"  # the checkpoint is current (on disk, or being written in the background: a stop waits for it)
     TRAIN = "train"  # mid-interval: a stop waits for the step to end, then checkpoints the part-interval
     BUSY = "busy"  # pushing (or asking the PS about an unanswered push): a stop waits for the outcome
     WAIT = "wait"  # the delta is in, the checkpoint after it is not written yet: a stop records "pushed"

@@ -7,6 +7,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,37 @@ def save_shards(
     if _rank() == 0:
         tmp.rename(final)
     return final
+
+
+class PendingShards:
+    """This rank's shards being written in the background (DCP async_save): `finish()` waits for them; on rank 0,
+    whose save completes only once every rank's shards are written, it then moves the folder into place."""
+
+    def __init__(self, future: Future[Any], tmp: Path, final: Path) -> None:
+        self.future, self.tmp, self.final = future, tmp, final
+
+    def finish(self) -> Path:
+        self.future.result()
+        if _rank() == 0:
+            self.tmp.rename(self.final)
+        return self.final
+
+
+_SAVE_GROUP: list[Any] = []  # the process group of background saves, made at the first one
+
+
+def start_save_shards(model: nn.Module, optimizer: torch.optim.Optimizer, root: Path, stamp: int) -> PendingShards:
+    """Every rank stages its shard of the model and the optimizer state in host memory and writes it on a thread
+    of its own (torch.distributed.checkpoint.async_save; collective). Their collectives run on a gloo group of
+    their own (made here, at the first background save, by every rank at once), never interleaved with training's."""
+    if not _SAVE_GROUP:
+        _SAVE_GROUP.append(dist.new_group(backend="gloo"))
+    final = shard_dir(root, stamp)
+    tmp = final.with_name(final.name + ".tmp")
+    state: dict[str, Any] = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=_SAVE_GROUP[0])
+    assert isinstance(future, Future)
+    return PendingShards(future, tmp, final)
 
 
 def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer, root: Path, stamp: int) -> None:

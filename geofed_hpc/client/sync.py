@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -196,11 +197,15 @@ class SiteSync:
         self.safe.save({"steps": steps, "loss_sum": loss * steps, "elapsed_s": 0.0})
         self.safe.checkpointed()
 
-    def telemetry(self, val_loss: float, sent: int, sync_s: float, progress: Progress) -> dict[str, float | int]:
+    def telemetry(
+        self, val_loss: float, sent: int, sync_s: float, progress: Progress, goodput: float = 0.0
+    ) -> dict[str, float | int]:
         """This sync's transfer, link, memory and contribution metrics; one Heartbeat measures the RTT and tells
-        the PS the validation loss of the global model we just evaluated (its ps/global_val_loss)."""
+        the PS the validation loss of the global model we just evaluated (its ps/global_val_loss) and the site's
+        goodput (its site/goodput on Prometheus)."""
         reported = val_loss if val_loss > 0 and self.replica.exact else 0.0  # only the global model's loss
-        rtt_s = self.link.report(self.replica.version, reported, "heartbeat after the sync")
+        goodput = goodput if math.isfinite(goodput) else 0.0
+        rtt_s = self.link.report(self.replica.version, reported, "heartbeat after the sync", goodput)
         return {
             **self.timer.metrics(sent, sync_s),
             **(self.rtt.add(rtt_s) if rtt_s is not None else {}),

@@ -1,4 +1,4 @@
-"""One site's loop: join, pull, train for a wall-clock interval, push the delta, pull, checkpoint."""
+"""One site's loop: join, pull, train for a wall-clock interval, push the delta, pull, checkpoint in the background."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from geofed_hpc.client.sync import SiteSync
 from geofed_hpc.client.telemetry import SyncTimer
 from geofed_hpc.client.throttle import Throttle
 from geofed_hpc.client.uplink import Uplink
-from geofed_hpc.config import RunConfig, to_dict
+from geofed_hpc.config import RunConfig
+from geofed_hpc.config.run import shareable
 from geofed_hpc.errors import GeofedError
 from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
@@ -59,7 +60,8 @@ class SiteTrainer:
         self.lifecycle = Lifecycle()
         self.on_stop: Callable[[int], None] = _exit_for
         self.progress, self.interval = Progress(), Interval()
-        self.evaluation = Evaluation(group, cfg.train.eval_interval)
+        self.goodput = Goodput()
+        self.evaluation = Evaluation(group, cfg.train.eval_interval, cfg.train.eval_budget)
         link = PSLink(cfg, self.name, directory, self.events)
         uplink = Uplink(
             cfg, self.name, self.events, self.progress, paradigm.additive, paradigm.error_feedback, self._record_push
@@ -91,6 +93,7 @@ class SiteTrainer:
         if self.runtime.ranks.rank != 0 or group.in_collective:
             return False  # several ranks: the site stops together at rank 0's next safe point (SiteGroup)
         if action is StopAction.SAVE_PUSHED:  # the delta is in: record that, or a resume would push it again
+            self.ckpt.settle()
             self.ckpt.save(pushed=True)
         if action is StopAction.LATER:
             return False
@@ -101,12 +104,16 @@ class SiteTrainer:
         """An error came before the requested stop (Slurm stopped the W&B service already, say): after a push,
         record that it was pushed; mid-step or mid-push the last checkpoint stands (nothing applied twice)."""
         assert self.stop_signal is not None
+        self.ckpt.settle()  # a background write finishes first (only rank 0 writes one)
         if self.runtime.ranks.rank == 0 and self.lifecycle.phase is Phase.WAIT:
             self.ckpt.save(pushed=True)
         self._stop_event()
 
     def _stop_event(self) -> None:
+        """The job leaves: the checkpoint being written in the background is on disk first (or, when its write
+        failed, the previous one and the push record are what a resume reads)."""
         assert self.stop_signal is not None
+        self.ckpt.settle()
         name = signal.Signals(self.stop_signal).name
         self.events("stop", signal=name, syncs=self.progress.syncs, version=self.sync.version)
 
@@ -129,6 +136,7 @@ class SiteTrainer:
         self.sync.uplink.deferred.clear()
         self.progress.syncs_after_push = self.progress.syncs + 1
         if self.lifecycle.enter(Phase.WAIT):
+            self.ckpt.settle()
             self.ckpt.save(pushed=True)
             self._stop()
 
@@ -144,6 +152,7 @@ class SiteTrainer:
         self.events.once("first_step", resume_seconds=round(time.time() - self.started, 3))
         fault("site.step", str(self.runtime.sampler.draws))
         if self.stop_signal is not None:
+            self.ckpt.settle()
             self.ckpt.save(pending=self.interval.pending(steps, loss_sum))
             self._stop()
 
@@ -164,7 +173,9 @@ class SiteTrainer:
             # every rank: its slice, micro-batches, one optimizer step on the paradigm's parameters of this step
             # (then train.slowdown's sleep, if any)
             step = functools.partial(group.step, self.runtime.paradigm.phase(steps))
+            started = time.monotonic()
             loss, tokens, signalled = self.throttle(step)
+            self.goodput.add(started, time.monotonic())
             if signalled:
                 self.lifecycle.request(signalled)  # another rank of this site was signalled: stop together
             steps += 1
@@ -221,7 +232,7 @@ class SiteTrainer:
             job_type="site",
             group=cfg.federation,
             wandb_mode=cfg.wandb_mode,
-            config=to_dict(cfg),
+            config=shareable(cfg),
         )
         with PSClient(cfg.ps, self.ps_address) as client, recorder as rec:
             self.sync.link.client, self.sync.rec = client, rec
@@ -229,7 +240,9 @@ class SiteTrainer:
             self._start(restored, rec)
             while not cfg.train.max_syncs or self.progress.syncs < cfg.train.max_syncs:
                 self._sync_once(rec)
+            self.ckpt.flush()  # the last checkpoint is on disk before the PS hears we leave
             self.sync.link.leave(self.sync.version)
+        self.events("goodput", **self.goodput.summary(), tokens=self.progress.tokens_seen)
         final = self.evaluation.val_loss  # the last evaluation's
         syncs, version = self.progress.syncs, self.sync.version
         logger.info("%s: done after %d syncs at version %d, val loss %.4f", self.name, syncs, version, final)
@@ -309,13 +322,14 @@ class SiteTrainer:
             return
         self.progress.syncs += 1
         sync_s = time.monotonic() - t0
-        evaluated = self.evaluation.due()
+        evaluated = self.evaluation.due(last=self.progress.syncs == self.cfg.train.max_syncs)
         val_loss = self.evaluation.run(self.sync.version) if evaluated else math.nan  # NaN: not evaluated
         lr = self.runtime.group.lr
         stepper = self.runtime.group.stepper
+        goodput = self.goodput.value()
         rec.log(
             {
-                **self.sync.telemetry(val_loss, synced.sent, sync_s, self.progress),
+                **self.sync.telemetry(val_loss, synced.sent, sync_s, self.progress, goodput),
                 "job/preemptions": self.events.preemptions,
                 "sync/index": self.progress.syncs,
                 "sync/version": self.sync.version,
@@ -331,19 +345,22 @@ class SiteTrainer:
                 "sync/push_seconds": synced.push_s,
                 "sync/deferred_intervals": synced.held,
                 "sync/offline_seconds": synced.offline_s,
+                "site/goodput": goodput,
             }
         )
-        self._log_sync(steps, train_loss, val_loss, synced.sent, train_s, sync_s)
-        self.ckpt.save()
+        self._log_sync(steps, train_loss, val_loss, synced.sent, train_s, sync_s, goodput)
+        self.ckpt.save(background=self.cfg.train.background_checkpoint)  # written while the next interval trains
         self.checkpointed()
 
-    def _log_sync(self, steps: int, loss: float, val_loss: float, sent: int, train_s: float, sync_s: float) -> None:
-        """One line of the job's log per sync: version, losses, tokens, bytes sent and seconds."""
+    def _log_sync(
+        self, steps: int, loss: float, val_loss: float, sent: int, train_s: float, sync_s: float, goodput: float
+    ) -> None:
+        """One line of the job's log per sync: version, losses, tokens, bytes sent, seconds and goodput."""
         tokens = steps * self.sync.tokens_per_step()
         val = f", val loss {val_loss:.4f}" if math.isfinite(val_loss) else ""
         logger.info(
             "%s: sync %d: version %d, %d steps, train loss %.4f%s, %d tokens (%.0f tokens/s, %d in all), "
-            "sent %.2f MiB, %.1fs (%.1fs training)",
+            "sent %.2f MiB, %.1fs (%.1fs training), goodput %.2f",
             self.name,
             self.progress.syncs,
             self.sync.version,
@@ -356,7 +373,38 @@ class SiteTrainer:
             sent / 2**20,
             sync_s,
             train_s,
+            goodput,
         )
+
+
+class Goodput:
+    """site/goodput: seconds inside training steps over wall seconds since this job's first step began (syncs,
+    evaluations, checkpoint writes and waits for the PS are what keeps it under 1)."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None  # time.monotonic() when the first step began
+        self.last = 0.0  # ... and when the latest one ended
+        self.step_s = 0.0
+
+    def add(self, started: float, ended: float) -> None:
+        """One training step (its slow-down included) ran from `started` to `ended`."""
+        if self.first is None:
+            self.first = started
+        self.step_s += ended - started
+        self.last = ended
+
+    def summary(self) -> dict[str, float]:
+        """For the job's events (benchmarks read it): step seconds, and wall seconds from the first step's start to
+        the last step's end."""
+        wall = self.last - self.first if self.first is not None else 0.0
+        return {"step_seconds": round(self.step_s, 4), "wall_seconds": round(wall, 4)}
+
+    def value(self, now: float | None = None) -> float:
+        """The share so far (NaN before the first step)."""
+        if self.first is None:
+            return math.nan
+        wall = (time.monotonic() if now is None else now) - self.first
+        return min(1.0, self.step_s / wall) if wall > 0 else 1.0
 
 
 def _exit_for(signum: int) -> None:

@@ -136,10 +136,19 @@ class TrainConfig:
     eval_interval: Duration = timedelta(0)
     """Wall-clock time between evaluations of the pulled global model: a sync evaluates when at least this long
     has passed since the last evaluation began (0s: after every sync)."""
+    eval_budget: Annotated[StrictFloat, Field(gt=0, le=1)] = 1.0
+    """The most of a site's wall-clock its evaluations of the pulled global model may take. Below 1, a sync
+    evaluates only when the time since the last evaluation began is at least that evaluation's seconds divided by
+    this (0.05: at most 5%), and the last sync of a run (train.max_syncs) always evaluates; train.eval_interval still
+    applies. 1: every sync evaluates (train.eval_interval permitting)."""
     keep_best: ZeroOrMore = 3
     """Checkpoints with the lowest validation loss kept under sites/<site>/ckpt/best (0: none). They hold the model's
     weights only (4 bytes a parameter; optimizer state and the rest of what a resume needs are in the two latest,
     about 16 bytes a parameter each): 3 keep a 1B model's site near 55 GB of scratch, a 3.3M one near 0.15 GB."""
+    background_checkpoint: StrictBool = True
+    """Write the checkpoint after each sync on a background thread while the next interval trains (one-process
+    sites; multi-rank sites write their DCP shards at once). Its state is staged in host memory first: a second
+    copy of the model and optimizer state, about 16 bytes a parameter. false: training waits for the write."""
     slowdown: Annotated[StrictFloat, Field(ge=1, le=1000)] = 1.0
     """Emulated slower hardware: after each optimizer step, sleep (slowdown - 1) x that step's compute time
     (1: full speed, 4: a quarter of this machine's speed)."""
@@ -175,7 +184,11 @@ ACT_CODECS = ("fp32", "bf16", "int16", "int8")
 DEFAULT_TARGETS: dict[str, list[str]] = {
     "gpt2": ["attn.qkv", "attn.proj"],
     "llama": ["attn.q", "attn.k", "attn.v", "attn.o"],
+    "hf": ["attention"],  # the linear layers of each decoder layer's attention, whatever the family calls them
 }
+# A target that names no layer but every nn.Linear of each decoder layer's attention module (q_proj, k_proj, v_proj,
+# o_proj in Llama, Qwen2, Mistral, Gemma; qkv_proj, o_proj in Phi-3; ...).
+ATTENTION_TARGET = "attention"
 
 
 @section("paradigm")
@@ -189,10 +202,12 @@ class ParadigmConfig:
     name: Paradigm = "identity"
     """What is trained and exchanged."""
     targets: Annotated[list[str], OneOrMany] = field(default_factory=list)
-    """lora / hybrid_lora / ravan: the nn.Linear layers to adapt, by name or dotted suffix (attn.qkv matches
-    blocks.0.attn.qkv, blocks.1.attn.qkv, ...); [] (the default): the model family's attention layers
-    (gpt2: attn.qkv, attn.proj; llama: attn.q, attn.k, attn.v, attn.o). An output layer tied to the token embedding
-    (lm_head) is adapted on both ends, its tensors held by the embedding (wte.lora_a, ...)."""
+    """lora / hybrid_lora / ravan: the nn.Linear layers to adapt, by name, dotted suffix (attn.qkv matches
+    blocks.0.attn.qkv, blocks.1.attn.qkv, ...; q_proj matches model.layers.0.self_attn.q_proj, ...) or glob pattern
+    (*.mlp.*_proj), or `attention`: every linear layer of each decoder layer's attention; [] (the default): the
+    model family's attention layers (gpt2: attn.qkv, attn.proj; llama: attn.q, attn.k, attn.v, attn.o; hf:
+    attention). An output layer tied to the token embedding (lm_head) is adapted on both ends, its tensors held by
+    the embedding (wte.lora_a, ...)."""
     rank: AtLeastOne = 4
     """Adapter rank."""
     alpha: Positive = 8.0

@@ -175,20 +175,22 @@ class PushReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., staleness: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("session_id", "version", "local_steps", "leaving", "val_loss", "push_id")
+    __slots__ = ("session_id", "version", "local_steps", "leaving", "val_loss", "push_id", "goodput")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     LEAVING_FIELD_NUMBER: _ClassVar[int]
     VAL_LOSS_FIELD_NUMBER: _ClassVar[int]
     PUSH_ID_FIELD_NUMBER: _ClassVar[int]
+    GOODPUT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     version: int
     local_steps: int
     leaving: bool
     val_loss: float
     push_id: str
-    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[int] = ..., local_steps: _Optional[int] = ..., leaving: _Optional[bool] = ..., val_loss: _Optional[float] = ..., push_id: _Optional[str] = ...) -> None: ...
+    goodput: float
+    def __init__(self, session_id: _Optional[str] = ..., version: _Optional[int] = ..., local_steps: _Optional[int] = ..., leaving: _Optional[bool] = ..., val_loss: _Optional[float] = ..., push_id: _Optional[str] = ..., goodput: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("version", "sync_now", "push")

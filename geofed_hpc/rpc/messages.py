@@ -121,6 +121,7 @@ class HeartbeatRequest:
     leaving: bool = False
     val_loss: float = 0.0
     push_id: str = ""  # asks whether the PS holds this push (its reply never came)
+    goodput: float = 0.0  # the site's share of wall-clock inside training steps (0: none to report)
 
 
 @dataclass

@@ -1,0 +1,122 @@
+"""Goodput benchmark: three real sites and `ps up` over an emulated WAN link, per sync mode and aggregation (root)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from geofed_hpc.metrics import read_jsonl
+from geofed_hpc.testing.federation import TINY, WanFederation
+from geofed_hpc.testing.wan import FAR, NEAR, Wan, unavailable_reason
+
+LINKS = {"near": NEAR, "far": FAR}
+SITES = 3
+BASELINE = "blocking"  # today's loop: train, push, wait for the version, pull, evaluate, checkpoint (in the background)
+# Each mode's site overrides. `inline_ckpt` is the loop as it was before checkpoints left the training path.
+MODES: dict[str, list[str]] = {
+    "blocking": [],
+    "inline_ckpt": ["train.background_checkpoint=false"],
+}
+
+
+def run_one(mode: str, aggregation: str, link: str, workdir: Path, syncs: int, steps: int) -> dict[str, Any]:
+    """One federation: the PS and SITES sites, every site behind its own copy of `link`; its row."""
+    names = [f"{link}{i}" for i in range(SITES)]
+    with Wan({name: LINKS[link] for name in names}, workdir / "wan") as wan:
+        # every site trains `steps` steps per sync, `syncs` syncs: the same tokens per site in every row
+        cadence = [f"train.max_local_steps={steps}", "ps.round_timeout=10m", f"ps.min_sites={SITES}"]
+        fed = WanFederation(wan, workdir, sync_interval="600s", max_syncs=syncs, extra=cadence)
+        fed.start_ps(f"ps.aggregation={aggregation}")
+        for name in names:
+            fed.launch(name, *MODES[mode])
+        codes = fed.wait(timedelta(minutes=20))
+        if any(codes.values()):
+            raise SystemExit(f"{mode}/{aggregation}/{link}: a site failed {codes}:\n{fed.logs()}")
+        goodputs, rates, losses = [], [], []
+        for name in names:
+            events = read_jsonl(fed.run_dir(name) / "sites" / f"{name}-0" / "events.jsonl")
+            (summary,) = [e for e in events if e["event"] == "goodput"]
+            goodputs.append(summary["step_seconds"] / summary["wall_seconds"])
+            rates.append(summary["tokens"] / summary["wall_seconds"])
+            last = fed.syncs(name)[-1]
+            losses.append(last["val/loss"])
+        return {
+            "mode": mode,
+            "aggregation": aggregation,
+            "link": link,
+            "link_spec": LINKS[link].describe(),
+            "sites": SITES,
+            "syncs": syncs,
+            "steps_per_sync": steps,
+            "goodput": statistics.mean(goodputs),
+            "goodput_per_site": goodputs,
+            "tokens_per_s": sum(rates),  # the federation's: each site's tokens over its first-to-last-step seconds
+            "final_val_loss": statistics.mean(losses),
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", type=Path, default=Path("bench/results/goodput.json"))
+    parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--aggregations", nargs="*", default=["sync", "async"], choices=["sync", "async"])
+    parser.add_argument("--links", nargs="*", default=list(LINKS), choices=list(LINKS))
+    parser.add_argument("--syncs", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6, help="local steps per sync (the same for every row)")
+    parser.add_argument("--show", action="store_true", help="only print the table of an existing --json file")
+    args = parser.parse_args()
+    if args.show:
+        print_table(json.loads(args.json.read_text()), args.json)
+        return
+    reason = unavailable_reason()
+    if reason:
+        sys.exit(f"bench/goodput.py: {reason}")
+    modes = sorted(set(args.modes) | {BASELINE}, key=lambda m: m != BASELINE)  # the baseline, in the same run
+    rows: list[dict[str, Any]] = []
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="geofed-goodput-bench-") as tmp:
+        for link in args.links:
+            for aggregation in args.aggregations:
+                for mode in modes:
+                    where = Path(tmp) / f"{mode}-{aggregation}-{link}"
+                    rows.append(run_one(mode, aggregation, link, where, args.syncs, args.steps))
+                    print(f"{mode} {aggregation} {link}: goodput {rows[-1]['goodput']:.3f}", flush=True)
+    base = {(r["aggregation"], r["link"]): r for r in rows if r["mode"] == BASELINE}
+    for r in rows:
+        b = base[(r["aggregation"], r["link"])]
+        r["loss_penalty_vs_blocking"] = r["final_val_loss"] / b["final_val_loss"] - 1.0
+        r["tokens_per_s_vs_blocking"] = r["tokens_per_s"] / b["tokens_per_s"]
+    out = {
+        "bench": "goodput",
+        "baseline": BASELINE,
+        "model": TINY,
+        "seconds": time.time() - started,
+        "rows": rows,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=2))
+    print_table(out, args.json)
+
+
+def print_table(out: dict[str, Any], path: Path) -> None:
+    print(f"{'mode':<13}{'aggregation':<12}{'link':<6}{'goodput':>9}{'tokens/s':>10}{'val loss':>10}"
+          f"{'loss vs base':>14}{'tok/s vs base':>15}")  # fmt: skip
+    for r in out["rows"]:
+        print(
+            f"{r['mode']:<13}{r['aggregation']:<12}{r['link']:<6}{r['goodput']:>9.3f}{r['tokens_per_s']:>10.0f}"
+            f"{r['final_val_loss']:>10.4f}{r['loss_penalty_vs_blocking']:>+13.2%}"
+            f"{r['tokens_per_s_vs_blocking']:>14.2f}x"
+        )
+    first = out["rows"][0]
+    print(f"{first['sites']} sites per row, {first['syncs']} syncs of {first['steps_per_sync']} steps; {path}")
+
+
+if __name__ == "__main__":
+    main()
