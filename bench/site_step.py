@@ -2,6 +2,10 @@
 
     python bench/site_step.py --json bench/results/site_step.json            # tiny_llama and gpt2_medium
     python bench/site_step.py --models tiny_llama --steps 3 --json x.json   # a quick run
+    python bench/site_step.py --models hf_llama --json x.json               # model=hf against tiny_llama
+
+hf_llama is model=hf with the config.json of tiny_llama (LlamaForCausalLM of transformers, the same shape, written by
+our exporter's config writer, no weights: transformers' init); tiny_llama runs in the same invocation as its baseline.
 
 Variants (each in fresh processes, so that ru_maxrss is the variant's own peak), all with the site's real parts
 (model built on the meta device and initialised tensor by tensor, AdamW groups, Stepper with its rules):
@@ -18,15 +22,31 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("single", "ac_full", "fsdp2", "compile")
+# model=hf twins of our models: the same architecture and shape through transformers, from a folder made here.
+HF_TWINS = {"hf_llama": "tiny_llama"}
+HF_FOLDER = "GEOFED_BENCH_HF_FOLDER"  # where main() wrote the twin's config.json (one folder per twin)
+
+
+def write_twin(native: str, folder: Path, context: int) -> None:
+    """config.json of `native`'s shape as transformers' model (what `export hf` writes for it, positions for
+    `context`), no weights."""
+    from geofed_hpc.cli import compose_config
+    from geofed_hpc.models.hfconfig import hf_config
+
+    model = compose_config([f"model={native}", f"model.context={context}"])[0].model
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(hf_config(model, "fp32", 50256, 50256), indent=1))
 
 
 def _free_port() -> int:
@@ -49,8 +69,10 @@ def worker(model: str, variant: str, context: int, batch: int, steps: int, warmu
 
     ranks = site_ranks()
     threads = max(1, 2 // ranks.world_size)
+    twin = [f"model.path={os.environ[HF_FOLDER]}/{model}"] if model in HF_TWINS else []
     overrides = [
-        f"model={model}",
+        f"model={'hf' if twin else model}",
+        *twin,
         f"model.context={context}",
         f"train.batch_size={batch}",
         f"train.micro_batch={batch // ranks.world_size}",
@@ -117,6 +139,17 @@ def table(rows: list[dict[str, Any]]) -> str:
         rss = f"{r['peak_rss_mb'] / base['peak_rss_mb']:.2f}x" if base else "-"
         lines.append(f"{r['model']:<13}{r['variant']:<10}{r['tokens_per_s']:>10.1f}{speed:>11}")
         lines[-1] += f"{r['peak_rss_mb']:>13.0f}{rss:>11}"
+    same = {(r["model"], r["variant"]): r for r in rows}
+    twins = [
+        (r, same[(HF_TWINS[r["model"]], r["variant"])])
+        for r in rows
+        if (HF_TWINS.get(r["model"]), r["variant"]) in same
+    ]
+    if twins:
+        lines.append(f"\n{'model=hf':<13}{'variant':<10}{'tokens/s vs native':>20}{'peak RSS vs native':>20}")
+        for hf, native in twins:
+            speed, rss = hf["tokens_per_s"] / native["tokens_per_s"], hf["peak_rss_mb"] / native["peak_rss_mb"]
+            lines.append(f"{hf['model']:<13}{hf['variant']:<10}{speed:>19.2f}x{rss:>19.2f}x")
     return "\n".join(lines)
 
 
@@ -133,9 +166,17 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=12, help="site batch in sequences (one micro-batch per rank)")
     p.add_argument("--steps", type=int, default=2, help="timed local steps after the warm-up")
     args = p.parse_args()
+    models = args.models.split(",")
+    for twin, native in HF_TWINS.items():  # model=hf is measured against its native model, in this run
+        if twin in models and native not in models:
+            models.insert(models.index(twin), native)
+    folder = Path(tempfile.mkdtemp(prefix="site-step-hf-"))
+    os.environ[HF_FOLDER] = str(folder)
+    for twin in set(models) & set(HF_TWINS):
+        write_twin(HF_TWINS[twin], folder / twin, args.context)
     rows = []
     started = time.time()
-    for model in args.models.split(","):
+    for model in models:
         for variant in args.variants.split(","):
             t0 = time.time()
             rows.append(run_variant(model, variant, args))
@@ -145,6 +186,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg(), "seconds": round(time.time() - started)},
         "rows": rows,
     }
+    shutil.rmtree(folder, ignore_errors=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1))
     print(table(rows))

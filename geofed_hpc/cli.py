@@ -65,6 +65,9 @@ COMMANDS = {
     "into ~/.config/geofed-hpc/site/ (or --config-dir DIR/site/)",
     "site check": "site check site=NAME ps.address=HOST:PORT: the launch preflight alone (model, data, checkpoints, "
     "the PS and its TLS, Slurm's partition and account), one line per check",
+    "relay": "relay --to PS_HOST:PORT [--listen HOST:PORT]: on a node both the compute nodes and the PS reach, forward "
+    "the sites' connections to that PS only (TLS end to end); sites set ps.address to the relay and ps.tls_name "
+    "to the PS's name",
 }
 __all__ = ["compose_config", "conf_dir", "config_groups", "main"]
 # Words users type for a command of another name.
@@ -104,6 +107,7 @@ EXAMPLES = """examples:
   geofed-hpc generate runs/geofed --prompt "In the beginning" --max-new-tokens 40
   geofed-hpc site new mycluster                       # ~/.config/geofed-hpc/site/mycluster.yaml to edit
   geofed-hpc site check site=mycluster ps=cloud ps.address=vm.example.org:50051   # the preflight alone
+  geofed-hpc relay --to vm.example.org:50051          # on a login node, for compute nodes that cannot dial out
   geofed-hpc launch --cfg                             # print the composed config and exit
 """
 
@@ -230,6 +234,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=50, help="generate: tokens to add (50)")
     p.add_argument("--temperature", type=float, default=0.0, help="generate: 0 greedy, else sampled (0)")
     p.add_argument("--seed", type=int, default=0, help="generate: the sampling seed (0)")
+    p.add_argument("--to", metavar="HOST:PORT", default="", help="relay: the PS to forward to (default ps.address)")
+    p.add_argument("--listen", metavar="HOST:PORT", default="", help="relay: where sites dial (0.0.0.0:the PS's port)")
+    p.add_argument("--max-connections", type=int, default=256, help="relay: connections at once (256)")
+    p.add_argument("--idle", metavar="DURATION", default="10m", help="relay: close a connection idle this long (10m)")
     p.add_argument("-h", "--help", action="store_true")
     p.add_argument("-q", "--quiet", action="store_true")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -275,7 +283,47 @@ def shard_overrides(counts: list[int], i: int) -> list[str]:
     return [f"site.first_shard={sum(counts[:i])}", f"site.shard_count={sum(counts)}"]
 
 
-def _launch_each(sites: list[str], overrides: list[str], args: argparse.Namespace) -> int:
+# Switches of ours that change what `launch` does: after `script=` they would silently go to the script instead.
+LAUNCH_SWITCHES = ("--dry-run", "--no-ps-check", "--demo", "--cfg", "--config-dir")
+
+
+def split_script(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`launch ... script=train.py --lr 3e-4`: the words after `script=` are the script's own arguments, not ours.
+    One of our launch switches among them is refused (ConfigError) unless it follows `--`, which hands everything
+    after it to the script as it is."""
+    at = next((i for i, word in enumerate(argv) if word.startswith("script=")), None)
+    if at is None:
+        return argv, []
+    theirs = argv[at + 1 :]
+    end = theirs.index("--") if "--" in theirs else len(theirs)
+    ours = [w for w in theirs[:end] if w.split("=", 1)[0] in LAUNCH_SWITCHES]
+    if ours:
+        raise ConfigError(
+            f"{ours[0]} comes after script=, so it would go to the script, not to geofed-hpc: put it before "
+            f"script= (or after `--` to hand it to the script)"
+        )
+    return argv[: at + 1], theirs[:end] + theirs[end + 1 :]
+
+
+def with_script(cfg: RunConfig, command: str, script: str, script_args: list[str]) -> RunConfig:
+    """`script=PATH`: the Python script each site's job runs (with `script_args`), checked and made absolute."""
+    if command != "launch":
+        raise ConfigError(f"script: only `launch` runs a script (launch site=NAME script=train.py ARGS), not {command}")
+    path = Path(script).expanduser()
+    if not script or not path.is_file():
+        raise ConfigError(f"script: {script!r} is not a file (launch site=NAME script=train.py ARGS)")
+    ranks = cfg.site.nodes * cfg.site.tasks_per_node
+    if ranks > 1:
+        raise ConfigError(
+            f"site.tasks_per_node: script= runs one process per site job (geofed_hpc.Site federates one process); "
+            f"this site has {ranks} ranks a job: set site.nodes=1 site.tasks_per_node=1"
+        )
+    return replace(cfg, script=[str(path.resolve()), *script_args])
+
+
+def _launch_each(
+    sites: list[str], overrides: list[str], args: argparse.Namespace, script_args: list[str] | None = None
+) -> int:
     switches = (
         ("--cfg", args.cfg),
         ("--dry-run", args.dry_run),
@@ -287,7 +335,7 @@ def _launch_each(sites: list[str], overrides: list[str], args: argparse.Namespac
     flags += ["-v"] if args.verbose else []
     flags += [f"--config-dir={d}" for d in args.config_dir]
     per_site = [[f"site={site}" if o.startswith("site=") else o for o in overrides] for site in sites]
-    configs = [compose_config(o)[0] for o in per_site]
+    configs = [compose_config([w for w in o if not w.startswith("script=")])[0] for o in per_site]
     names = [c.site.name for c in configs]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -300,13 +348,21 @@ def _launch_each(sites: list[str], overrides: list[str], args: argparse.Namespac
         counts = [c.site.num_sites for c in configs]
         per_site = [[*o, *shard_overrides(counts, i)] for i, o in enumerate(per_site)]
     for site_overrides in per_site:
-        code = main([*flags, "launch", *site_overrides])
+        ours = [o for o in site_overrides if not o.startswith("script=")]
+        script = [o for o in site_overrides if o.startswith("script=")]  # last: the words after it are its own
+        tail = [*script, *(script_args or [])] if script else []
+        code = main([*flags, "launch", *ours, *tail])
         if code:
             return code
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        argv, script_args = split_script(list(sys.argv[1:] if argv is None else argv))
+    except ConfigError as exc:
+        print(f"geofed-hpc: error: {exc}", file=sys.stderr)
+        return 2
     args = _parser().parse_intermixed_args(argv)
     if args.version:
         print(f"geofed-hpc {__version__}")
@@ -332,9 +388,14 @@ def main(argv: list[str] | None = None) -> int:
         OPTIONS.model_given = any(o.startswith(("model=", "model.")) for o in overrides)
         OPTIONS.dtype, OPTIONS.site, OPTIONS.force, OPTIONS.prompt = args.dtype, args.site, args.force, args.prompt
         OPTIONS.max_new_tokens, OPTIONS.temperature, OPTIONS.seed = args.max_new_tokens, args.temperature, args.seed
+        OPTIONS.relay_to, OPTIONS.relay_listen = args.to, args.listen
+        OPTIONS.relay_max_connections, OPTIONS.relay_idle = args.max_connections, args.idle
         if command == "launch" and len(_site_list(overrides)) > 1:
-            return _launch_each(_site_list(overrides), overrides, args)
-        cfg, yaml_text = compose_config(overrides)
+            return _launch_each(_site_list(overrides), overrides, args, script_args)
+        script = next((o.split("=", 1)[1] for o in overrides if o.startswith("script=")), None)
+        cfg, yaml_text = compose_config([o for o in overrides if not o.startswith("script=")])
+        if script is not None:
+            cfg = with_script(cfg, command, script, script_args)
         if args.cfg:
             print(yaml_text, end="")
             return 0

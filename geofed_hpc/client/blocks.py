@@ -6,7 +6,6 @@ import functools
 import importlib.util
 import os
 import shutil
-import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from geofed_hpc.errors import ConfigError
+from geofed_hpc.models.registry import decoder_blocks
 
 AC_MODES = ("none", "full", "selective")
 _aten = torch.ops.aten
@@ -39,13 +39,13 @@ def _selective() -> Any:
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    blocks = model.get_submodule("blocks")
-    return list(typing.cast(nn.ModuleList, blocks))
+    return decoder_blocks(model)
 
 
 def checkpoint_blocks(model: nn.Module, mode: str) -> int:
-    """Recompute each of `model.blocks` in the backward pass: `full` keeps only the block's input, `selective`
-    also its matrix products and attention. The blocks keep their parameter names. Returns blocks wrapped."""
+    """Recompute each decoder block (`model.blocks`, a model=hf model's layers) in the backward pass: `full` keeps
+    only the block's input, `selective` also its matrix products and attention. The blocks keep their parameter
+    names. Returns blocks wrapped."""
     if mode not in AC_MODES:
         raise ConfigError(f"train.activation_checkpointing: must be one of {', '.join(AC_MODES)}; got {mode!r}")
     if mode == "none":

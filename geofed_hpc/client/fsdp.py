@@ -21,15 +21,17 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from geofed_hpc.client.precision import Precision
 from geofed_hpc.errors import ConfigError, ProtocolError
+from geofed_hpc.models.registry import decoder_blocks
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
 def shard_model(model: nn.Module, precision: Precision, reshard_after_forward: bool = True) -> nn.Module:
-    """fully_shard every entry of `model.blocks`, then the root (embeddings, final norm, head)."""
+    """fully_shard every decoder block (`model.blocks`; a model=hf model's layers, the classes its `_no_split_modules`
+    names), then the root (embeddings, final norm, head)."""
     policy = precision.mp_policy()
-    for block in model.blocks:  # type: ignore[union-attr]
+    for block in decoder_blocks(model):
         fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return model

@@ -124,6 +124,12 @@ class ClientJob(submitit.helpers.Checkpointable):
             with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):  # stderr without a file
                 faulthandler.enable(all_threads=True)
         stopper = StopHandler(global_rank()).install()  # before the slow start: a signal then just exits
+        if cfg.script:  # launch script=: the user's own loop (geofed_hpc.Site) runs as this job's child
+            from geofed_hpc.client.script import ScriptRunner
+
+            runner = ScriptRunner(cfg, self.site_index, self.ps_address)
+            stopper.attach(runner)
+            return runner.run()
         from geofed_hpc.client.distributed import close_distributed  # torch is imported here, inside the job
         from geofed_hpc.client.trainer import SiteTrainer
 

@@ -22,6 +22,8 @@ def _model_config(cfg: RunConfig, shape: dict[str, Any] | None, where: str) -> M
     if shape is None:
         return cfg.model
     recorded = {k: v for k, v in shape.items() if k != "paradigm"}
+    if "model.path" in OPTIONS.given:  # model=hf's folder given here (moved since the run): this one
+        recorded.pop("path", None)
     if OPTIONS.model_given and recorded.get("arch", cfg.model.arch) != cfg.model.arch:
         raise ConfigError(
             f"{where} holds a {recorded.get('arch')} model but model={cfg.model.name} is {cfg.model.arch}; "
@@ -31,15 +33,29 @@ def _model_config(cfg: RunConfig, shape: dict[str, Any] | None, where: str) -> M
 
 
 def _load_hf(folder: Path) -> tuple[ModelConfig, dict[str, Any], str]:
-    """The model of a Hugging Face folder (`export hf`'s output), read with our loader of such checkpoints."""
+    """The model of a Hugging Face folder (`export hf`'s output), read with our loader of such checkpoints; a family
+    other than ours (gpt2, llama) as model=hf."""
     from geofed_hpc.models.hf import read_hf_tensors
-    from geofed_hpc.models.hfconfig import model_fields, read_hf_config
+    from geofed_hpc.models.hfconfig import CONFIG_KEYS, model_fields, read_hf_config
 
     file = folder / "config.json"
     hf = read_hf_config(file)
+    if hf.get("model_type") not in CONFIG_KEYS:
+        return _load_any_hf(folder, hf)
     model = from_dict(ModelConfig, {**model_fields(hf, str(file)), "name": folder.name or "hf"})
     params = {name: tensor.float().numpy() for name, tensor, _ in read_hf_tensors(model, folder)}
     return model, params, f"{folder} (a Hugging Face {model.arch} model)"
+
+
+def _load_any_hf(folder: Path, hf: dict[str, Any]) -> tuple[ModelConfig, dict[str, Any], str]:
+    """A Hugging Face folder of a family we did not write (model=hf): its weights under transformers' names."""
+    from geofed_hpc.models.hfmodel import build_hf_meta, hf_weight_tensors
+
+    positions = hf.get("max_position_embeddings")
+    context = positions if isinstance(positions, int) and positions > 0 else 1024
+    model = ModelConfig(name=folder.name or "hf", arch="hf", path=str(folder), context=context, tokenizer="")
+    params = {name: tensor.float().numpy() for name, tensor in hf_weight_tensors(model, build_hf_meta(model))}
+    return model, params, f"{folder} (a Hugging Face {hf.get('model_type')} model)"
 
 
 def load_trained(cfg: RunConfig, src: str, site: str = "") -> tuple[ModelConfig, dict[str, Any], str]:
@@ -186,6 +202,15 @@ def tokenizer_for(cfg: RunConfig, model: ModelConfig, where: Located) -> tuple[T
     return tok, origin
 
 
+def family(model: ModelConfig) -> str:
+    """gpt2, llama, or model=hf's model_type (qwen2, mistral, ...)."""
+    if model.arch != "hf":
+        return model.arch
+    from geofed_hpc.config.model import hf_folder_config
+
+    return str(hf_folder_config(model.path)[1].get("model_type", "hf"))
+
+
 def cmd_export_hf(cfg: RunConfig) -> int:
     from geofed_hpc.ckpt.atomic import atomic_dir
     from geofed_hpc.ckpt.sources import locate
@@ -201,7 +226,7 @@ def cmd_export_hf(cfg: RunConfig) -> int:
     with atomic_dir(Path(out), OPTIONS.force) as folder:
         write_model(folder, model, params, OPTIONS.dtype, tok.bos_id, tok.eot_id, described)
         tok.save(folder, model.max_positions or model.context)
-    print(f"exported {described} as a {model.arch} model ({OPTIONS.dtype}) to {out}")
+    print(f"exported {described} as a {family(model)} model ({OPTIONS.dtype}) to {out}")
     print(f"tokenizer: {tok.name} ({origin})")
     print(f"load it with: transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0

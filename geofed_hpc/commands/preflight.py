@@ -52,7 +52,9 @@ def check_model(cfg: RunConfig) -> list[Finding]:
     found = []
     model = cfg.model
     try:
-        if model.init_from:
+        if model.arch == "hf":
+            start = _hf_start(cfg)
+        elif model.init_from:
             path = Path(model.init_from).expanduser()
             files = checkpoint_files(path)
             check_folder_config(model, path if path.is_dir() else path.parent)
@@ -68,6 +70,21 @@ def check_model(cfg: RunConfig) -> list[Finding]:
     except ConfigError as exc:
         found.append(Finding("error", "tokenizer", str(exc)))
     return found
+
+
+def _hf_start(cfg: RunConfig) -> str:
+    """model=hf: the architecture transformers makes of model.path's config.json, and where the weights start from."""
+    from geofed_hpc.config.model import hf_weight_files
+    from geofed_hpc.models.hfmodel import hf_config
+
+    model = cfg.model
+    kind = type(hf_config(model)).__name__.removesuffix("Config")  # transformers knows it (ConfigError otherwise)
+    folder = Path(model.init_from or model.path).expanduser()
+    files = hf_weight_files(folder) if folder.is_dir() else [folder]
+    if not files:
+        return f"is a {kind} from {model.path}, starting from random weights (seed {cfg.train.seed}): it has no weights"
+    count = f"{len(files)} safetensors file{'s' * (len(files) != 1)}"
+    return f"is a {kind} from {model.path}, starting from {folder} ({count})"
 
 
 def check_data(cfg: RunConfig) -> list[Finding]:
@@ -284,12 +301,16 @@ def check_slurm(cfg: RunConfig, run: Runner = run_command) -> list[Finding]:
 
 def preflight(cfg: RunConfig, run_dir: Path, address: str, probe: bool = True) -> list[Finding]:
     """Every check for this site config; the PS's only when the sites dial one (not an embedded PS)."""
-    found = check_model(cfg) + check_data(cfg) + check_checkpoints(cfg, run_dir)
+    if cfg.script:  # launch script=: the script brings its own model, data and checkpoints
+        found = [Finding("ok", "script", f"{cfg.script[0]} runs in each site's job (geofed_hpc.Site)")]
+    else:
+        found = check_model(cfg) + check_data(cfg) + check_checkpoints(cfg, run_dir)
     if not cfg.site.embedded_ps:
         found += check_ps(cfg, address, probe)
     if cfg.site.executor == "slurm":
         found += check_slurm(cfg)
-    found += [Finding(*v) for v in check_run(cfg, run_dir)]  # the demo corpus on Slurm; checkpoints vs disk
+    if not cfg.script:
+        found += [Finding(*v) for v in check_run(cfg, run_dir)]  # the demo corpus on Slurm; checkpoints vs disk
     return found
 
 

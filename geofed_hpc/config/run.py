@@ -51,6 +51,9 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     paradigm: ParadigmConfig = field(default_factory=ParadigmConfig)
+    script: list[str] = field(default_factory=list)
+    """`launch script=train.py ARGS`: each site's job runs this Python script with its arguments (a loop federated
+    by geofed_hpc.Site) instead of the project's own loop; set by the command line, never in a config file."""
 
     def __post_init__(self) -> None:
         if not self.data.tokenizer and self.model_tokenizer():
@@ -81,6 +84,12 @@ class RunConfig:
                 "paradigm=zo takes its own steps of paradigm.zo_lr, without AdamW: set train.warmup_steps=0",
             )
         if self.paradigm.name in SPLIT_PARADIGMS:
+            check(
+                self.model.arch != "hf",
+                "paradigm",
+                f"{self.paradigm.name} cuts one of this project's models (model.arch gpt2 or llama) into parts; "
+                "model=hf trains with identity, lora, hybrid_lora, ravan or zo",
+            )
             self._check_cut()
 
     def _check_cut(self) -> None:
@@ -99,15 +108,38 @@ class RunConfig:
             )
 
     def model_tokenizer(self) -> str:
-        """The model's usual tokenizer: model.tokenizer, else the tokenizer.json beside model.init_from ("": none)."""
+        """The model's usual tokenizer: model.tokenizer, else the tokenizer.json in model=hf's folder (model.path),
+        else the one beside model.init_from ("": none)."""
         if self.model.tokenizer:
             return self.model.tokenizer
+        if self.model.arch == "hf" and (Path(self.model.path).expanduser() / "tokenizer.json").is_file():
+            return str(Path(self.model.path).expanduser() / "tokenizer.json")
         if self.model.init_from:
             start = Path(self.model.init_from).expanduser()
             beside = (start if start.is_dir() else start.parent) / "tokenizer.json"
             if beside.is_file():
                 return str(beside)
         return ""
+
+
+# Settings that are secrets: never in what a run shares (W&B's run config, which `wandb sync` uploads).
+SECRET_KEYS = (("ps", "enroll_token"), ("ps", "peer_secret"), ("site", "token"))
+HIDDEN = "(hidden)"
+
+
+def shareable(cfg: RunConfig) -> dict[str, Any]:
+    """`cfg` as a plain dict for W&B and reports, without its secrets: tokens and peer secrets hidden, the
+    password of a site.proxy URL removed."""
+    out = to_dict(cfg)
+    for section_name, key in SECRET_KEYS:
+        if out[section_name][key]:
+            out[section_name][key] = HIDDEN
+    proxy = out["site"]["proxy"]
+    if "@" in proxy:
+        scheme, _, rest = proxy.partition("://")
+        userinfo, _, where = rest.rpartition("@")
+        out["site"]["proxy"] = f"{scheme}://{userinfo.split(':', 1)[0]}:{HIDDEN}@{where}"
+    return out
 
 
 def model_shape(cfg: RunConfig) -> dict[str, Any]:
@@ -119,11 +151,12 @@ def model_shape(cfg: RunConfig) -> dict[str, Any]:
 
 def shape_difference(cfg: RunConfig, recorded: dict[str, Any] | None) -> tuple[str, Any, Any] | None:
     """(key as the command line writes it, the checkpoint's value, this run's) of the first field where a checkpoint's
-    recorded model (meta "model") differs from `cfg`'s; None when they agree."""
+    recorded model (meta "model") differs from `cfg`'s; None when they agree. model.path (model=hf's folder) is
+    recorded, for `export hf`, but may move: its config.json's shape is compared."""
     ours = model_shape(cfg)
     # older checkpoints: pretraining, and the defaults of fields added since
     theirs = {"paradigm": "identity", **model_shape(RunConfig()), **(recorded if recorded is not None else ours)}
-    diff = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+    diff = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k) and k != "path")
     if not diff:
         return None
     key = diff[0] if diff[0] == "paradigm" else f"model.{diff[0]}"

@@ -176,6 +176,11 @@ def load_tokenizer(spec: str) -> Tokenizer:
 
 def run_tokenizer(cfg: RunConfig) -> Tokenizer:
     """The run's tokenizer (data.tokenizer, else the model's), checked to fit model.vocab_size."""
+    if not cfg.data.tokenizer and cfg.model.arch == "hf":
+        raise ConfigError(
+            f"data.tokenizer: model=hf's folder {cfg.model.path} holds no tokenizer.json; give the model's tokenizer "
+            "(data.tokenizer=PATH of its tokenizer.json)"
+        )
     if not cfg.data.tokenizer:
         raise ConfigError(
             f"data.tokenizer: model={cfg.model.name} ({cfg.model.vocab_size:,} ids) has no shipped tokenizer; "
@@ -183,12 +188,18 @@ def run_tokenizer(cfg: RunConfig) -> Tokenizer:
             "Face download), or model.init_from=a Hugging Face folder that holds one"
         )
     tok = load_tokenizer(cfg.data.tokenizer)
-    check_vocab(tok, cfg.model.vocab_size)
+    check_vocab(tok, cfg.model.vocab_size, cfg.model.path if cfg.model.arch == "hf" else "")
     return tok
 
 
-def check_vocab(tok: Tokenizer, vocab_size: int) -> None:
-    """Refuse a tokenizer with more ids than the model's vocabulary, naming the model.vocab_size that fits it."""
+def check_vocab(tok: Tokenizer, vocab_size: int, hf_folder: str = "") -> None:
+    """Refuse a tokenizer with more ids than the model's vocabulary, naming the model.vocab_size that fits it (or, for
+    model=hf, whose vocabulary is its config.json's, the folder's own tokenizer)."""
+    if tok.vocab_size > vocab_size and hf_folder:
+        raise ConfigError(
+            f"data.tokenizer: {tok.name} has {tok.vocab_size:,} ids but the model has {vocab_size:,} (vocab_size in "
+            f"{Path(hf_folder).expanduser() / 'config.json'}); use the model's own tokenizer (its tokenizer.json)"
+        )
     if tok.vocab_size > vocab_size:
         raise ConfigError(
             f"data.tokenizer: {tok.name} has {tok.vocab_size:,} ids but model.vocab_size is {vocab_size:,}; "

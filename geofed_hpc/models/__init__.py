@@ -1,5 +1,6 @@
 """Model definitions written here (no hub): GPT-2 and Llama 3 causal language models (imported lazily, so that
-the login node's checks of a Hugging Face folder, in hfconfig, never load torch)."""
+the login node's checks of a Hugging Face folder, in hfconfig, never load torch); hfmodel: model=hf, any
+`transformers` causal language model from a local folder, under the same interface."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -131,12 +132,34 @@ def write_model(
 ) -> None:
     """The weights, config.json and generation_config.json of a `transformers` model equal to ours. Generation stops
     at the model's context (max_length: `transformers`' text-generation pipeline otherwise asks for 256 new tokens,
-    past the positions a small model has)."""
+    past the positions a small model has). model=hf: its own architecture, written by transformers' save_pretrained
+    (config.json as in model.path, bos and eos ids as there)."""
     if dtype not in TORCH_DTYPES:
         raise ConfigError(f"--dtype: must be one of {', '.join(TORCH_DTYPES)}; got {dtype!r}")
+    if cfg.arch == "hf":
+        write_hf_model(folder, cfg, params, DTYPES[dtype], source)
+        return
     write_weights(hf_tensors(cfg, params, dtype, source), folder, max_shard_bytes)
     config = hf_config(cfg, dtype, bos_id, eos_id)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     max_length = cfg.max_positions or cfg.context  # config.json's n_positions / max_position_embeddings
     generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, "do_sample": False, "max_length": max_length}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def write_hf_model(
+    folder: Path, cfg: ModelConfig, params: Mapping[str, np.ndarray], dtype: torch.dtype, source: str
+) -> None:
+    """The model of model.path's architecture with `params` (plain names, adapters merged), saved by transformers'
+    own save_pretrained (config.json, safetensors, generation_config.json): loadable unchanged by transformers."""
+    from geofed_hpc.models.hfmodel import build_hf_meta, fill, materialize_hf, plain_class
+
+    model = materialize_hf(build_hf_meta(cfg), "cpu")
+    fill(model, {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in params.items()}, source)
+    model.__class__ = plain_class(model)
+    plain: Any = model.to(dtype)
+    plain.save_pretrained(str(folder))
+    mode = file_mode()
+    for file in folder.iterdir():
+        if file.is_file():
+            os.chmod(file, mode)

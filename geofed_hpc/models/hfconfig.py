@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from geofed_hpc.config import ModelConfig
+from geofed_hpc.config.model import read_hf_config
 from geofed_hpc.errors import ConfigError
 
 # config.json keys -> ours, per architecture (RoPE is read apart: it comes in two layouts).
@@ -190,14 +191,3 @@ def check_folder_config(cfg: ModelConfig, folder: Path) -> None:
     if not file.is_file():
         return
     check_config(cfg, read_hf_config(file, "model.init_from: "), str(file))
-
-
-def read_hf_config(file: Path, field: str = "") -> dict[str, Any]:
-    """A Hugging Face config.json as a dict; ConfigError (starting with `field`) when it is not one."""
-    try:
-        hf = json.loads(file.read_text())
-    except ValueError as exc:
-        raise ConfigError(f"{field}{file} is not valid JSON ({exc})") from None
-    if not isinstance(hf, dict):
-        raise ConfigError(f"{field}{file} is not a Hugging Face config (not a JSON object)")
-    return hf

@@ -1,4 +1,5 @@
-"""Build the model class a ModelConfig's `arch` names (gpt2, llama), on any device, deterministically."""
+"""Build the model class a ModelConfig's `arch` names (gpt2, llama, or hf: a transformers model from a folder), on any
+device, deterministically."""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ def build_model(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu",
     model = materialize(model, device)
     if not init:
         return model
-    if cfg.init_from:
+    if cfg.arch == "hf":
+        from geofed_hpc.models.hfmodel import fill, hf_initial_tensors
+
+        fill(model, hf_initial_tensors(model, seed, device), f"model.path={cfg.path}")
+    elif cfg.init_from:
         from geofed_hpc.models.hf import load_hf_checkpoint
 
         load_hf_checkpoint(model, cfg.init_from)
@@ -36,6 +41,10 @@ def build_model(cfg: ModelConfig, seed: int, device: str | torch.device = "cpu",
 
 def build_meta(cfg: ModelConfig) -> nn.Module:
     """The `cfg.arch` model on the meta device: shapes only, nothing allocated (shard it, then `materialize`)."""
+    if cfg.arch == "hf":
+        from geofed_hpc.models.hfmodel import build_hf_meta
+
+        return build_hf_meta(cfg)
     try:
         cls = ARCHS[cfg.arch]
     except KeyError:
@@ -46,6 +55,10 @@ def build_meta(cfg: ModelConfig) -> nn.Module:
 
 def materialize(model: nn.Module, device: str | torch.device) -> nn.Module:
     """Allocate a meta model's (or its shards') tensors on `device`, uninitialised; buffers recomputed."""
+    if model.cfg.arch == "hf":  # type: ignore[union-attr]
+        from geofed_hpc.models.hfmodel import materialize_hf
+
+        return materialize_hf(model, device)
     model = model.to_empty(device=device)
     cfg = model.cfg
     if cfg.tie_embeddings and model.lm_head.weight is not model.wte.weight:  # type: ignore[union-attr]
@@ -54,6 +67,17 @@ def materialize(model: nn.Module, device: str | torch.device) -> nn.Module:
     if callable(reset):
         reset()
     return model
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated decoder blocks, in order: what FSDP2 shards one by one, activation checkpointing recomputes and
+    torch.compile compiles (ours: `model.blocks`; a model=hf model's: the layers its `_no_split_modules` names)."""
+    blocks = model.get_submodule("blocks") if "blocks" in model._modules else None
+    if isinstance(blocks, nn.ModuleList):
+        return list(blocks)
+    from geofed_hpc.models.hfmodel import decoder_layers
+
+    return decoder_layers(model)
 
 
 def num_params(model: nn.Module) -> int:

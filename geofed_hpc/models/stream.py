@@ -22,6 +22,10 @@ def hf_tensors(cfg: ModelConfig, path: str | Path) -> Iterator[tuple[str, torch.
 def initial_stream(model: nn.Module, seed: int, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors a fresh `model` starts from: `model.init_from`'s checkpoint, else its seeded random init."""
     cfg: ModelConfig = model.cfg  # type: ignore[assignment]
+    if cfg.arch == "hf":  # its folder's weights, else transformers' own init for the seed
+        from geofed_hpc.models.hfmodel import hf_initial_tensors
+
+        return hf_initial_tensors(model, seed, device)
     if cfg.init_from:
         return hf_tensors(cfg, cfg.init_from)
     return initial_tensors(model, seed, device)

@@ -7,8 +7,10 @@ plain model with the merged weight W + delta W, the way the export writes it.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import math
+import re
 from typing import Any
 
 import torch
@@ -16,8 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from geofed_hpc.config import ParadigmConfig
-from geofed_hpc.config.train import DEFAULT_TARGETS
+from geofed_hpc.config.train import ATTENTION_TARGET, DEFAULT_TARGETS
 from geofed_hpc.errors import ConfigError
+
+ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 
 
 def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
@@ -25,25 +29,49 @@ def linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
 
 
 def _pattern_names(names: list[str]) -> list[str]:
-    """Layer names with their block index dropped (blocks.3.attn.qkv -> attn.qkv), for error messages."""
+    """Layer names with everything up to their block index dropped (blocks.3.attn.qkv -> attn.qkv,
+    model.layers.3.self_attn.q_proj -> self_attn.q_proj), for error messages."""
     out = []
     for name in names:
-        parts = name.split(".")
-        short = ".".join(parts[2:]) if len(parts) > 2 and parts[1].isdigit() else name
+        short = re.sub(r"^(.*?\.)?\d+\.", "", name)
         if short not in out:
             out.append(short)
     return out
 
 
+def attention_layers(model: nn.Module) -> dict[str, nn.Linear]:
+    """Every nn.Linear inside each decoder block's attention module (a child whose class name says Attention, or
+    that is called self_attn, attn, attention or self_attention): the `attention` target."""
+    from geofed_hpc.models.registry import decoder_blocks
+
+    names = {id(m): n for n, m in model.named_modules()}
+    found: dict[str, nn.Linear] = {}
+    for block in decoder_blocks(model):
+        for child_name, child in block.named_children():
+            if "Attention" in type(child).__name__ or child_name in ATTENTION_NAMES:
+                found.update({names[id(m)]: m for m in child.modules() if isinstance(m, nn.Linear)})
+    return found
+
+
+def _matches(name: str, target: str) -> bool:
+    if any(ch in target for ch in "*?["):
+        return fnmatch.fnmatchcase(name, target)
+    return name == target or name.endswith("." + target)
+
+
 def select_targets(model: nn.Module, targets: list[str]) -> dict[str, nn.Linear]:
-    """The nn.Linear layers named by `targets` (a full name or a dotted suffix); every target must match. No
-    targets: the model family's attention layers (DEFAULT_TARGETS)."""
+    """The nn.Linear layers named by `targets` (a full name, a dotted suffix, a glob pattern, or `attention`: every
+    linear layer of each decoder block's attention); every target must match. No targets: the model family's
+    attention layers (DEFAULT_TARGETS)."""
     layers = linear_layers(model)
     arch = getattr(getattr(model, "cfg", None), "arch", "gpt2")
     targets = targets or DEFAULT_TARGETS.get(arch, [])
     chosen: dict[str, nn.Linear] = {}
     for target in targets:
-        hits = {n: m for n, m in layers.items() if n == target or n.endswith("." + target)}
+        if target == ATTENTION_TARGET:
+            hits = attention_layers(model)
+        else:
+            hits = {n: m for n, m in layers.items() if _matches(n, target)}
         if not hits:
             raise ConfigError(
                 f"paradigm.targets: {target!r} matches no linear layer of this model; "
