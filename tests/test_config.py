@@ -39,7 +39,7 @@ def test_override_grammar_set_add_delete() -> None:
     [
         (
             ["model=tinyy"],
-            "unknown model option 'tinyy'; did you mean model=tiny? valid choices: gpt2_medium, llama3_1b",
+            "unknown model option 'tinyy'; did you mean model=tiny? valid choices: gpt2_medium, hf, llama3_1b",
         ),
         (["site=osc_typo"], "unknown site option 'osc_typo'; valid choices: iitm, local, osc, slurm_local, tacc"),
         (["model.d_modle=8"], "unknown key model.d_modle; did you mean model.d_model?"),
@@ -145,7 +145,7 @@ def test_a_key_the_chosen_option_does_not_list_can_still_be_set() -> None:
 def test_sections_built_directly_raise_the_same_errors() -> None:
     with pytest.raises(ConfigError, match="^ps.aggregation: must be one of sync, async, buffered; got 'x'$"):
         PSConfig(aggregation="x")
-    valid = "activation_checkpointing, batch_size, compile"
+    valid = "activation_checkpointing, background_checkpoint, batch_size, compile"
     with pytest.raises(ConfigError, match=f"^unknown key train.velocity; valid keys in train: {valid}"):
         TrainConfig(velocity=2)  # type: ignore[call-arg]
     with pytest.raises(ConfigError, match="^site.setup: expected a string, got None$"):
@@ -211,7 +211,7 @@ def test_command_line_error_is_one_line(capsys: pytest.CaptureFixture) -> None:
         (["ps.address=vm.example.org"], "ps.address: expected host:port (e.g. vm.example.org:50051"),
         (["ps.address=:50051"], "ps.address: expected host:port"),
         (["site.proxy=http://proxy:99999"], "site.proxy: port 99999 of 'proxy:99999' is out of range"),
-        (["site.proxy=proxy:3128"], "site.proxy: expected http://host:port, got 'proxy:3128'"),
+        (["site.proxy=proxy:3128"], "site.proxy: expected http://[USER:PASS@]host:port, got 'proxy:3128'"),
         (["site.cpus_per_site=4"], "site.cpus_per_site: renamed to site.cpus_per_task"),
     ],
 )

@@ -51,11 +51,13 @@ ALLOWED = {
     "ckpt": set(),
     "metrics": set(),
     "rpc": set(),
+    "egress": set(),  # the relay forwards bytes: it knows no protocol
     "client": {"ckpt", "codec", "data", "metrics", "models", "paradigms", "rpc"},
     "ps": {"ckpt", "codec", "metrics", "paradigms", "rpc"},
     "launch": {"client", "metrics"},
-    "commands": {"ckpt", "data", "launch", "metrics", "models", "paradigms", "ps", "rpc"},
+    "commands": {"ckpt", "data", "egress", "launch", "metrics", "models", "paradigms", "ps", "rpc"},
     "cli": {"commands", "geofed_hpc"},
+    "geofed_hpc": {"client"},  # the package's public API (Site, FederatedCallback), imported lazily
     "testing": {"metrics"},
 }
 

@@ -158,6 +158,23 @@ PLANS: dict[str, list[Line]] = {
         Line("geofed-hpc launch site=osc $FED $RUN", SLURM, expect="submitted osc-0: job"),
         Line("geofed-hpc status site=osc && geofed-hpc logs site=osc --follow", SLURM, expect="all jobs ended"),
     ],
+    "Keeping state off the VM": [
+        Line("pip install 'geofed-hpc[s3]'", NOT_HERE, f"the network (PyPI); {CORE}, the s3 extra with it"),
+        Line("aws s3 mb s3://my-lab-geofed", NOT_HERE, "real AWS: an account and the network (no aws CLI here)"),
+        Line(
+            "geofed-hpc ps up ps=cloud model=llama3_1b ps.state_dir=s3://my-lab-geofed/run1",
+            NOT_HERE,
+            "real AWS; tests/test_object_store.py::test_ps_up_on_a_url_fails_over_to_a_new_machine_over_grpc runs "
+            "`ps up` on an s3:// state_dir against moto's S3-protocol server, killed and taken over by a second one",
+        ),
+        Line(
+            "AWS_ENDPOINT_URL=https://minio.example.org:9000 geofed-hpc ps up ps=cloud model=llama3_1b "
+            "ps.state_dir=s3://geofed/run1",
+            NOT_HERE,
+            "a MinIO server on the network; tests/test_object_store.py reaches moto's server the same way, through "
+            "AWS_ENDPOINT_URL",
+        ),
+    ],
     "From a corpus to a Hugging Face model": [
         Line("geofed-hpc data prepare data.source='corpus/*.jsonl.zst' site.num_sites=2 run_dir=runs/fed"),
         Line(
@@ -171,6 +188,36 @@ PLANS: dict[str, list[Line]] = {
             "python -c \"from transformers import pipeline; print(pipeline('text-generation', 'out/fed-model')"
             "('In the')[0])\"",
             expect="generated_text",
+        ),
+    ],
+    "Your own training loop": [
+        Line("geofed-hpc ps up train.max_local_steps=20", PS_UP),
+        Line(
+            "python examples/torch_loop.py ps.address=127.0.0.1:50051 --site-index 0 & python examples/torch_loop.py "
+            "ps.address=127.0.0.1:50051 --site-index 1 && wait $!",
+            expect='"site": "local-1", "steps": 60',
+            subs=(("examples/", f"{REPO}/examples/"), ("--site-index", "--steps=60 wandb_mode=disabled --site-index")),
+        ),
+        Line(
+            "geofed-hpc launch site=local run_dir=runs/mine script=examples/torch_loop.py --steps 60",
+            expect="run directory:",
+            subs=(("examples/", f"{REPO}/examples/"), (" script=", " wandb_mode=disabled script=")),
+        ),
+    ],
+    "Your own model": [
+        Line(
+            "geofed-hpc launch site=local model=hf model.path=~/models/Qwen2.5-0.5B model.context=256 run_dir=runs/own",
+            expect="global validation loss",
+            subs=(
+                ("model.context=256", "model.context=32"),  # a tiny Qwen2 stands in for the 0.5B one (write_own_model)
+                ("run_dir=runs/own", "run_dir=runs/own train.max_syncs=2 train.sync_interval=2s data.max_tokens=20000"),
+            ),
+        ),
+        Line("geofed-hpc export hf runs/own out/own-model", expect="as a qwen2 model"),
+        Line(
+            'python -c "import transformers; '
+            "print(transformers.AutoModelForCausalLM.from_pretrained('out/own-model'))\"",
+            expect="Qwen2ForCausalLM",
         ),
     ],
     "Benchmarks (scripts, not tests; each writes JSON and prints a table against a same-run baseline)": [
@@ -188,8 +235,21 @@ PLANS: dict[str, list[Line]] = {
             NOT_HERE,
             "a benchmark, not a check: root and network namespaces (tests/test_wan.py runs the emulated links)",
         ),
+        Line(
+            "sudo .venv/bin/python bench/egress.py --json bench/results/egress.json",
+            NOT_HERE,
+            "a benchmark, not a check: root, namespaces, tinyproxy (tests/test_egress_topology.py runs the paths)",
+        ),
+        Line(
+            "sudo .venv/bin/python bench/goodput.py --json bench/results/goodput.json",
+            NOT_HERE,
+            "a benchmark, not a check: root, network namespaces and 8 federations of 3 sites (about 15 minutes)",
+        ),
         bench("chaos", "--json bench/results/chaos.json --minutes 3", "3 minutes (tests/test_chaos_bench.py)"),
         bench("multi_ps", "--json bench/results/multi_ps.json", "a few minutes (tests/test_ps_group_procs.py)"),
+        bench("swarm", "--json docs/swarm.json", "thousands of simulated sites, many minutes (tests/test_swarm.py)"),
+        bench("ps_memory", "--json docs/ps_memory.json", "models of 560M and 1.2B parameters: 20+ GB of RAM"),
+        bench("object_store", "--json bench/results/object_store.json", "a 1 GB snapshot (tests/test_object_store.py)"),
         bench("convergence", "--json docs/convergence.json --png docs/convergence.png", "about 15 minutes"),
     ],
 }
@@ -270,6 +330,23 @@ def write_corpus(home: Path) -> None:
     lines = "".join(json.dumps({"text": " ".join(v)}) + "\n" for v in docs.values())
     (home / "corpus").mkdir(parents=True)
     (home / "corpus" / "part-0.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+
+
+def write_own_model(home: Path) -> Path:
+    """~/models/Qwen2.5-0.5B: a tiny Qwen2 as a Hugging Face folder (config.json, random weights, GPT-2's tokenizer
+    as tokenizer.json), standing in for the download the README names."""
+    import transformers
+
+    from geofed_hpc.data.tokenizer import load_tokenizer
+
+    folder = home / "models" / "Qwen2.5-0.5B"
+    shape = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    config = transformers.Qwen2Config(vocab_size=50257, max_position_embeddings=256, **shape)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(folder)
+    load_tokenizer("gpt2").save(folder, 256)
+    return folder
 
 
 def write_editor(where: Path) -> Path:
@@ -573,3 +650,35 @@ def test_from_a_corpus_to_a_hugging_face_model(tmp_path: Path) -> None:
     finally:
         shell.close()
     assert (shell.homes["vm"] / "out" / "fed-model" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_your_own_training_loop(tmp_path: Path) -> None:
+    """A `ps up`, then two sites running examples/torch_loop.py (the plain loop federated by `geofed_hpc.Site`); then
+    `launch script=` running it as two local site jobs."""
+    shell = Shell(tmp_path, {"vm": "vm"}, SUBS_CLUSTER)
+    try:
+        for line in plan_of("Your own training loop"):
+            shell.do(line)
+    finally:
+        shell.close()
+    for index in (0, 1):
+        ckpt = tmp_path / "vm" / "runs" / "geofed" / "sites" / f"local-{index}" / "ckpt"
+        assert (ckpt / "loop-000000060.gft").is_file(), sorted(ckpt.iterdir())
+        launched = tmp_path / "vm" / "runs" / "mine" / "sites" / f"local-{index}" / "ckpt"  # `launch script=`'s jobs
+        assert (launched / "loop-000000060.gft").is_file(), sorted(launched.iterdir())
+
+
+@pytest.mark.slow
+def test_your_own_model(tmp_path: Path) -> None:
+    """model=hf from a Hugging Face folder: two local sites train it, `export hf` writes it, transformers loads it."""
+    shell = Shell(tmp_path, {"vm": "vm"}, [])
+    folder = write_own_model(shell.homes["vm"])
+    try:
+        for line in plan_of("Your own model"):
+            shell.do(line)
+    finally:
+        shell.close()
+    out = shell.homes["vm"] / "out" / "own-model"
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    assert (out / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()  # the folder's
