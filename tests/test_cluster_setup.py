@@ -119,14 +119,14 @@ def test_a_site_job_logs_one_line_per_sync_with_version_loss_tokens_bytes_and_se
         progress=SimpleNamespace(syncs=4, tokens_seen=8192),
         sync=SimpleNamespace(version=7, tokens_per_step=lambda: 256),
     )
-    SiteTrainer._log_sync(trainer, 3, 2.5, 2.25, 3 * 2**20, 0.5, 1.5)  # type: ignore[arg-type]
-    SiteTrainer._log_sync(trainer, 3, 2.5, float("nan"), 0, 0.5, 1.5)  # type: ignore[arg-type]
+    SiteTrainer._log_sync(trainer, 3, 2.5, 2.25, 3 * 2**20, 0.5, 1.5, 0.25)  # type: ignore[arg-type]
+    SiteTrainer._log_sync(trainer, 3, 2.5, float("nan"), 0, 0.5, 1.5, 0.5)  # type: ignore[arg-type]
     lines = [r.getMessage() for r in warnings_log.records if r.getMessage().startswith("osc-0: sync")]
     assert lines == [
         "osc-0: sync 4: version 7, 3 steps, train loss 2.5000, val loss 2.2500, 768 tokens (1536 tokens/s, 8192 in "
-        "all), sent 3.00 MiB, 1.5s (0.5s training)",
+        "all), sent 3.00 MiB, 1.5s (0.5s training), goodput 0.25",
         "osc-0: sync 4: version 7, 3 steps, train loss 2.5000, 768 tokens (1536 tokens/s, 8192 in all), sent 0.00 MiB, "
-        "1.5s (0.5s training)",
+        "1.5s (0.5s training), goodput 0.50",
     ]
 
 

@@ -89,7 +89,7 @@ def test_setup_lines_proxy_and_extra_options() -> None:
         (["site=osc", "site.gpu_style=mig"], "site.gpu_style: must be one of gres, gpus, none"),
         (["site=slurm_local", "site.embedded_ps=true"], "site.embedded_ps: Slurm jobs outlive `launch`"),
         (["site=slurm_local", "site.timeout=30s"], "site.timeout: Slurm time limits are whole minutes"),
-        (["site=iitm", "site.proxy=proxy:3128"], "site.proxy: expected http://host:port"),
+        (["site=iitm", "site.proxy=proxy:3128"], "site.proxy: expected http://[USER:PASS@]host:port"),
         (["site=osc", "site.executor=pbs"], "site.executor: must be one of local, slurm"),
     ],
 )
