@@ -2,10 +2,11 @@
 
     python bench/site_step.py --json bench/results/site_step.json            # tiny_llama and gpt2_medium
     python bench/site_step.py --models tiny_llama --steps 3 --json x.json   # a quick run
-    python bench/site_step.py --models hf_llama --json x.json               # model=hf against tiny_llama
+    python bench/site_step.py --models hf_llama,hf_gpt2 --json x.json       # model=hf against tiny_llama, gpt2_medium
 
 hf_llama is model=hf with the config.json of tiny_llama (LlamaForCausalLM of transformers, the same shape, written by
-our exporter's config writer, no weights: transformers' init); tiny_llama runs in the same invocation as its baseline.
+our exporter's config writer, no weights: transformers' init), hf_gpt2 the same for gpt2_medium (GPT2LMHeadModel);
+each runs in the same invocation as its native model, the baseline.
 
 Variants (each in fresh processes, so that ru_maxrss is the variant's own peak), all with the site's real parts
 (model built on the meta device and initialised tensor by tensor, AdamW groups, Stepper with its rules):
@@ -34,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = ("single", "ac_full", "fsdp2", "compile")
 # model=hf twins of our models: the same architecture and shape through transformers, from a folder made here.
-HF_TWINS = {"hf_llama": "tiny_llama"}
+HF_TWINS = {"hf_llama": "tiny_llama", "hf_gpt2": "gpt2_medium"}
 HF_FOLDER = "GEOFED_BENCH_HF_FOLDER"  # where main() wrote the twin's config.json (one folder per twin)
 
 
