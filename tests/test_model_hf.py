@@ -110,6 +110,22 @@ def test_a_folder_builds_its_architecture_on_meta_and_inits_per_seed(tmp_path: P
     assert loss is not None and abs(loss.item() - np.log(VOCAB)) < 1.0  # about uniform at the start
 
 
+def test_gelu_new_trains_as_pytorchs_fused_tanh_gelu_and_is_exported_under_its_own_name(tmp_path: Path) -> None:
+    """GPT-2's "gelu_new" (separate operations, each kept for the backward pass) is built as the same function fused;
+    the logits match transformers' own gelu_new model, and the config written back still says gelu_new."""
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    load_tokenizer("gpt2").save(tmp_path / "gpt2", 64)
+    model = build_model(hf_model(tmp_path / "gpt2"), seed=0)
+    assert type(model.transformer.h[0].mlp.act).__name__ == "GELUTanh"  # type: ignore[union-attr, index]
+    assert model.config.activation_function == "gelu_new"  # type: ignore[union-attr]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2")
+    assert type(reference.transformer.h[0].mlp.act).__name__ == "NewGELUActivation"
+    same_logits(model, reference, atol=1e-5)
+
+
 def test_the_folders_weights_are_loaded_and_the_shards_init_as_one_process(tmp_path: Path) -> None:
     folder = hf_folder(tmp_path / "q", "qwen2", weights=True)
     cfg = hf_model(folder)
