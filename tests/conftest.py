@@ -101,3 +101,16 @@ def restore_logging() -> Iterator[None]:
     yield
     for handler in [h for h in logger.handlers if h not in before]:
         logger.removeHandler(handler)
+
+
+@pytest.fixture(scope="module")
+def tls_ps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real `ps up` of its own over server-only TLS (tests/test_ps_edge.py's EdgePS), for a module."""
+    from tests.test_ps_edge import EdgePS
+
+    edge = EdgePS(tmp_path_factory.mktemp("tls"), mutual=False)
+    try:
+        edge.start()
+        yield edge
+    finally:
+        edge.stop()

@@ -29,16 +29,6 @@ needs_proxy = pytest.mark.skipif(
 PROXY_ENV = ("grpc_proxy", "https_proxy", "http_proxy", "no_grpc_proxy", "no_proxy", "HTTPS_PROXY", "HTTP_PROXY")
 
 
-@pytest.fixture(scope="module")
-def ps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EdgePS]:
-    edge = EdgePS(tmp_path_factory.mktemp("tls"), mutual=False)
-    try:
-        edge.start()
-        yield edge
-    finally:
-        edge.stop()
-
-
 @pytest.fixture
 def proxied(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[TinyProxy]]:
     """Proxies a test starts (`start(...)` appends); the site's environment points at the last one started."""
@@ -61,51 +51,51 @@ def start(
 
 @needs_proxy
 def test_a_site_reaches_its_ps_through_a_proxy_that_admits_only_the_ps(
-    ps: EdgePS, proxied: list[TinyProxy], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tls_ps: EdgePS, proxied: list[TinyProxy], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    proxy = start(proxied, tmp_path, monkeypatch, ports=(ps.port,))
-    with ps.client() as client:
+    proxy = start(proxied, tmp_path, monkeypatch, ports=(tls_ps.port,))
+    with tls_ps.client() as client:
         client.connect(timedelta(seconds=30))
-        session = ps.joined(client, "osc-1").session_id
+        session = tls_ps.joined(client, "osc-1").session_id
         assert legit_push(client, session).accepted
         header, payload = client.pull_model(session)
         assert header.version >= 1 and payload
     tunnels = proxy.requests()
-    assert tunnels and set(tunnels) == {("CONNECT", f"127.0.0.1:{ps.port}")}  # TLS inside: the proxy saw no more
+    assert tunnels and set(tunnels) == {("CONNECT", f"127.0.0.1:{tls_ps.port}")}  # TLS inside: the proxy saw no more
 
 
 @needs_proxy
 def test_a_proxy_that_allows_only_port_443_is_named_at_once_with_the_fix(
-    ps: EdgePS, proxied: list[TinyProxy], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tls_ps: EdgePS, proxied: list[TinyProxy], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     proxy = start(proxied, tmp_path, monkeypatch, ports=(443,))
-    with ps.client() as client, pytest.raises(UnavailableError) as info:
+    with tls_ps.client() as client, pytest.raises(UnavailableError) as info:
         client.connect(timedelta(seconds=60))
     why = str(info.value)
-    assert f"the proxy {proxy.url} refused CONNECT to port {ps.port} (403" in why
+    assert f"the proxy {proxy.url} refused CONNECT to port {tls_ps.port} (403" in why
     assert "ps.port=443" in why and "no more connection attempts" in why  # not 60 s of retries first
 
 
 @needs_proxy
 def test_a_proxy_that_wants_credentials_says_so_and_takes_them_from_site_proxy(
-    ps: EdgePS, proxied: list[TinyProxy], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tls_ps: EdgePS, proxied: list[TinyProxy], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     proxy = start(proxied, tmp_path, monkeypatch, credentials="osc:s3cret")
-    with ps.client() as client, pytest.raises(UnavailableError) as info:
+    with tls_ps.client() as client, pytest.raises(UnavailableError) as info:
         client.connect(timedelta(seconds=60))
     assert f"the proxy {proxy.url} asks for credentials (407" in str(info.value)
     assert f"site.proxy=http://USER:PASS@127.0.0.1:{proxy.port}" in str(info.value)
 
     monkeypatch.setenv("grpc_proxy", f"http://osc:wrong@127.0.0.1:{proxy.port}")
-    with ps.client() as client, pytest.raises(UnavailableError) as info:
+    with tls_ps.client() as client, pytest.raises(UnavailableError) as info:
         client.connect(timedelta(seconds=60))
     assert "refused the credentials of site.proxy (40" in str(info.value) and "wrong" not in str(info.value)
 
     monkeypatch.setenv("grpc_proxy", f"http://osc:s3cret@127.0.0.1:{proxy.port}")
-    with ps.client() as client:
+    with tls_ps.client() as client:
         client.connect(timedelta(seconds=30))
-        assert legit_push(client, ps.joined(client, "osc-2").session_id).accepted
-    assert ("CONNECT", f"127.0.0.1:{ps.port}") in proxy.requests()
+        assert legit_push(client, tls_ps.joined(client, "osc-2").session_id).accepted
+    assert ("CONNECT", f"127.0.0.1:{tls_ps.port}") in proxy.requests()
 
 
 @needs_proxy

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,16 +30,6 @@ from tests.test_ps_edge import FP32, EdgePS, Held
 
 REPO = Path(__file__).resolve().parents[1]
 RELAY_HOST = "127.0.0.2"  # loopback, but not a name in the PS's certificate (127.0.0.1, vm, localhost, ::1)
-
-
-@pytest.fixture(scope="module")
-def ps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EdgePS]:
-    edge = EdgePS(tmp_path_factory.mktemp("tls"), mutual=False)
-    try:
-        edge.start()
-        yield edge
-    finally:
-        edge.stop()
 
 
 class RelayProc:
@@ -80,18 +69,18 @@ class RelayProc:
         return self.proc.wait(timeout=30)
 
 
-def relay_to(ps: EdgePS, port: int) -> RelayProc:
-    return RelayProc("--to", f"127.0.0.1:{ps.port}", "--listen", f"{RELAY_HOST}:{port}").started()
+def relay_to(tls_ps: EdgePS, port: int) -> RelayProc:
+    return RelayProc("--to", f"127.0.0.1:{tls_ps.port}", "--listen", f"{RELAY_HOST}:{port}").started()
 
 
-def test_a_push_cut_by_the_relay_dying_is_applied_once_when_the_relay_is_back(ps: EdgePS) -> None:
+def test_a_push_cut_by_the_relay_dying_is_applied_once_when_the_relay_is_back(tls_ps: EdgePS) -> None:
     port = free_port()
-    relay = relay_to(ps, port)
+    relay = relay_to(tls_ps, port)
     try:
-        with PSClient(ps.config(tls_name="vm", retry_budget="60s"), f"{RELAY_HOST}:{port}") as client:
+        with PSClient(tls_ps.config(tls_name="vm", retry_budget="60s"), f"{RELAY_HOST}:{port}") as client:
             client.connect(timedelta(seconds=30))
-            session = ps.joined(client, "osc-6").session_id
-            before = ps.status().version
+            session = tls_ps.joined(client, "osc-6").session_id
+            before = tls_ps.status().version
             payload = codec.encode({k: np.full_like(v, 1e-3) for k, v in small_params().items()}, FP32)
             header = m.PushHeader(session, before, 1, 1, "fp32", 0, b"", uuid.uuid4().hex)
             header.total_bytes, header.sha256 = len(payload), digest(payload)
@@ -102,25 +91,25 @@ def test_a_push_cut_by_the_relay_dying_is_applied_once_when_the_relay_is_back(ps
             relay.kill()  # at any moment: here with a push half sent
             assert cut.code(timeout=60) != grpc.StatusCode.OK
             cut.release.set()
-            assert ps.status().version == before  # nothing of the cut push was applied
+            assert tls_ps.status().version == before  # nothing of the cut push was applied
 
-            relay = relay_to(ps, port)  # restarted on the same address; the site retries the same push id
+            relay = relay_to(tls_ps, port)  # restarted on the same address; the site retries the same push id
             reply = client.push_delta(header, payload)
             assert reply.accepted and reply.version == before + 1
             again = client.push_delta(header, payload)
-            assert again.duplicate and ps.status().version == before + 1  # once, however often it is retried
+            assert again.duplicate and tls_ps.status().version == before + 1  # once, however often it is retried
     finally:
         assert relay.stop() == 0
     closed = [ln for ln in relay.lines if "INFO geofed_hpc: relay: 127.0.0.1:" in ln]  # one line per connection
-    assert closed and all(f"-> 127.0.0.1:{ps.port} closed" in ln for ln in closed), "".join(relay.lines)
+    assert closed and all(f"-> 127.0.0.1:{tls_ps.port} closed" in ln for ln in closed), "".join(relay.lines)
     assert "Traceback" not in "".join(relay.lines)
 
 
-def test_a_site_dialling_a_relay_without_ps_tls_name_is_told_to_set_it(ps: EdgePS) -> None:
+def test_a_site_dialling_a_relay_without_ps_tls_name_is_told_to_set_it(tls_ps: EdgePS) -> None:
     port = free_port()
-    relay = relay_to(ps, port)
+    relay = relay_to(tls_ps, port)
     try:
-        with PSClient(ps.config(retry_budget="0s"), f"{RELAY_HOST}:{port}") as client:
+        with PSClient(tls_ps.config(retry_budget="0s"), f"{RELAY_HOST}:{port}") as client:
             with pytest.raises(UnavailableError) as info:
                 client.connect(timedelta(seconds=30))
         assert "does not verify" in str(info.value) and "ps.tls_name=" in str(info.value)
