@@ -44,6 +44,8 @@ def test_the_ps_serves_each_sites_goodput_on_prometheus(tmp_path: Path) -> None:
             client.heartbeat(m.HeartbeatRequest(osc, 0, goodput=0.75))
             client.heartbeat(m.HeartbeatRequest(tacc, 0, goodput=0.5))
             client.heartbeat(m.HeartbeatRequest(tacc, 0))  # a heartbeat without a goodput keeps the last one
+            for wild in (7.0, float("inf"), float("nan"), -1.0):  # not a share of wall time: dropped, never served
+                client.heartbeat(m.HeartbeatRequest(osc, 0, goodput=wild))
         deadline = time.monotonic() + 60
         while 'geofed_site_goodput{site="tacc"}' not in (text := scrape(server.metrics_port)):
             assert time.monotonic() < deadline, text

@@ -129,7 +129,7 @@ class Coordinator:
                 self.observer.val_loss(session.site, request.version, request.val_loss)
                 metrics = {"val/loss": request.val_loss, "sync/version": request.version}
                 self.observer.site_metrics(session.site, metrics)
-            if request.goodput > 0 and math.isfinite(request.goodput):
+            if 0 < request.goodput <= 1:  # a share of wall time: anything else from the wire is dropped
                 self.observer.site_metrics(session.site, {"site/goodput": request.goodput})
             if request.leaving:
                 self.sessions.leave(request.session_id)
