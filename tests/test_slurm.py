@@ -377,3 +377,38 @@ def test_one_site_runs_as_two_tasks_of_one_job_and_resumes_from_its_shards(
     watch.until("the job to end", lambda: not slurm.job_states([job.job_id])[job.job_id].active)
     cfg, _ = compose_config(["site=slurm_local", *args])
     check_nothing_lost_or_applied_twice(run_dir, ps.address, [site], cfg.train.batch_size * cfg.model.context)
+
+
+def test_a_users_script_job_is_requeued_by_slurm_and_resumes_with_nothing_lost_or_applied_twice(
+    cluster: None, tmp_path: Path
+) -> None:
+    """`launch site=X script=train.py ARGS` submits the user's own loop (examples/torch_loop.py, federated by
+    geofed_hpc.Site) as the site's Slurm job; `scancel --signal=USR2` (what a preemption sends) reaches the script,
+    which checkpoints and exits; Slurm requeues the job, the script resumes where it stopped and finishes, and the PS
+    holds every step's tokens once."""
+    from geofed_hpc.ps.app import ParameterServer
+
+    steps, every = 600, 30  # a push every 30 optimizer steps (the PS's cadence): 20 versions in all
+    cfg, _ = compose_config(["ps.aggregation=async", "ps.max_staleness=1000", f"train.max_local_steps={every}"])
+    server = ParameterServer(cfg)
+    try:
+        run_dir, example = tmp_path / "run", REPO / "examples" / "torch_loop.py"
+        args = [f"ps.address={server.address}", f"run_dir={run_dir}", "site.name=script", "site.num_sites=1"]
+        jobs = launch([*args, "wandb_mode=disabled", f"script={example}", f"--steps={steps}"], tmp_path)
+        site, job = next(iter(jobs.items()))
+        assert site == "script-0"
+        watch = Watch(jobs)
+        watch.until("two syncs", lambda: find(run_dir, site, "pulled") and ps_view(server.address)[0] >= 2)
+        subprocess.run(["scancel", "--signal=USR2", job.job_id], check=True)
+        stop = watch.until("the script to stop on USR2", lambda: find(run_dir, site, "stop", signal="SIGUSR2"))
+        assert ps_view(server.address)[0] < steps // every, "the script finished before the signal: no requeue seen"
+        watch.until("the requeued job to end", lambda: not slurm.job_states([job.job_id])[job.job_id].active)
+        assert slurm.job_states([job.job_id])[job.job_id].state == "COMPLETED", Path(job.stderr).read_text()[-3000:]
+        assert watch.seen <= slurm.TRANSIENT | {"COMPLETED"}, f"the job looked failed: {watch.seen}"
+        ready = [e for e in events(run_dir, site) if e["event"] == "ready"]
+        assert [e["source"] for e in ready] == ["fresh", "local"] and ready[1]["steps"] == stop["steps"], ready
+        version, view = ps_view(server.address)
+        assert version == steps // every  # async: one version per push, none applied twice
+        assert view == {site: (steps // every, steps * 32 * 4)}  # every step's tokens (a batch of 32 x 4) once
+    finally:
+        server.stop()
