@@ -240,6 +240,62 @@ def test_lora_targets_each_familys_attention_projections(tmp_path: Path) -> None
     assert cfg.paradigm.describe() == "lora(rank=4, alpha=8, targets=attention)"
 
 
+@pytest.mark.parametrize("family", ["phi3", "qwen2"])
+def test_hybrid_lora_ravan_and_zo_find_their_targets_and_train_on_any_family(tmp_path: Path, family: str) -> None:
+    """Phi-3 fuses q, k and v into one qkv_proj; Qwen2 keeps them apart: each paradigm finds the attention
+    projections of either, trains what it should, and RAVAN's merged model (what `export hf` writes) gives the
+    adapted model's logits."""
+    from geofed_hpc.models.hfmodel import fill
+    from geofed_hpc.paradigms.site import site_paradigm
+
+    folder = hf_folder(tmp_path / family, family)
+    projections = ["qkv_proj", "o_proj"] if family == "phi3" else ["q_proj", "k_proj", "v_proj", "o_proj"]
+    layers = sorted(f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in projections)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def loss(model: torch.nn.Module, x: torch.Tensor = ids) -> torch.Tensor:
+        logits = model(x[:, :-1])[0]
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+
+    def prepared(name: str) -> tuple[torch.nn.Module, Any]:
+        model = build_model(hf_model(folder), seed=0)
+        paradigm = site_paradigm(ParadigmConfig(name=name, rank=2, heads=2), 3)
+        paradigm.prepare(model)
+        return model, paradigm
+
+    ravan, paradigm = prepared("ravan")
+    heads = sorted(n for n, p in ravan.named_parameters() if p.requires_grad)
+    assert (
+        heads
+        == sorted(paradigm.exchange.public({n: 0 for n in heads}))
+        == [f"{layer}.ravan_h{i}" for layer in layers for i in (0, 1)]
+    )
+    with torch.no_grad():
+        for name in heads:
+            ravan.get_parameter(name).normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    params = {n: p.detach().numpy().copy() for n, p in ravan.named_parameters()}
+    merged = build_model(hf_model(folder), seed=0, init=False)
+    fill(merged, paradigm.exchange.merge(params), "the merged model")
+    with torch.no_grad():
+        assert (ravan.eval()(ids)[0] - merged.eval()(ids)[0]).abs().max().item() <= 1e-4
+
+    hybrid, paradigm = prepared("hybrid_lora")
+    private = sorted({n.rsplit(".", 1)[0] for n, _ in hybrid.named_parameters() if paradigm.exchange.is_private(n)})
+    assert private == layers
+    for phase in (0, 1):
+        paradigm.set_phase(hybrid, phase)
+        hybrid.zero_grad()
+        loss(hybrid).backward()
+        stepped = {n for n, p in hybrid.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+        assert stepped and all(paradigm.exchange.is_private(n) == (phase == 1) for n in stepped), (phase, stepped)
+
+    zo, paradigm = prepared("zo")
+    before = {n: p.detach().clone() for n, p in zo.named_parameters()}
+    value = paradigm.step(zo, lambda x, y: loss(zo), ids, ids)
+    assert np.isfinite(value) and all(not torch.equal(p, before[n]) for n, p in zo.named_parameters())
+    assert len(paradigm.wire_update({}, {n: t.numpy() for n, t in before.items()})) == 2  # coefficients, check
+
+
 # ---------------------------------------------------------------- a real federation, exported
 @contextmanager
 def ps_up(state: Path, model: Path, *args: str) -> Iterator[str]:
