@@ -1,7 +1,7 @@
 """PS memory benchmark: the peak RSS of `ps up` per model size, outer optimizer and codec, in fp32 copies of the model.
 
-    python bench/ps_memory.py --json ps_memory.json                           # 560M and 1.2B (about 25 GB free)
-    python bench/ps_memory.py --params 560e6 --json ps_memory.json            # 560M only (about 12 GB free)
+    python bench/ps_memory.py --json ps_memory.json                           # 560M and 1.2B (about 24 GB free)
+    python bench/ps_memory.py --params 560e6 --json ps_memory.json            # 560M only (about 11 GB free)
 
 A row per (params, outer, codec): a fresh `geofed-hpc ps up` (plaintext on 127.0.0.1, ps.aggregation=async, a
 state directory, snapshots every version); its RSS once it listens is the empty PS (the baseline, measured in the
@@ -45,6 +45,7 @@ from geofed_hpc.rpc.client import PSClient  # noqa: E402
 KEYS = ("params", "outer", "codec", "sites", "ps_peak_rss_mb", "fp32_copies")
 TARGET = {"plain": 3.0, "nesterov": 4.0}
 CALL = PSConfig(rpc_timeout=timedelta(minutes=30), retry_budget=timedelta(minutes=2))
+CALL_BUDGET = timedelta(minutes=30)
 
 
 def mem_available_mb() -> float:
@@ -65,7 +66,7 @@ def seed(address: str, token: str, shapes: dict[str, tuple[int, ...]]) -> None:
         reply = client.push_delta(header, payload)
         if not reply.accepted:
             raise RuntimeError(f"the init push was refused: {reply.reason}")
-        client.heartbeat(m.HeartbeatRequest(session, leaving=True))
+        client.heartbeat(m.HeartbeatRequest(session, leaving=True), CALL_BUDGET, CALL.rpc_timeout)
 
 
 def site(address: str, name: str, token: str, payload: bytes, codec_name: str, pushes: int, errors: list) -> None:
@@ -81,7 +82,8 @@ def site(address: str, name: str, token: str, payload: bytes, codec_name: str, p
                 reply = client.push_delta(push, payload)
                 if not reply.accepted:
                     raise RuntimeError(f"{name}: push refused: {reply.reason}")
-            client.heartbeat(m.HeartbeatRequest(session, have or 0, leaving=True))
+            # the PS may be applying the other site's push (a long step at this size, under the coordinator's lock)
+            client.heartbeat(m.HeartbeatRequest(session, have or 0, leaving=True), CALL_BUDGET, CALL.rpc_timeout)
     except BaseException as exc:  # noqa: BLE001 - reported by the caller
         errors.append(exc)
 
@@ -138,7 +140,7 @@ def main() -> None:
     p.add_argument("--codecs", default="int8,sparse")
     p.add_argument("--sites", type=int, default=2)
     p.add_argument("--pushes", type=int, default=2, help="pushes per site")
-    p.add_argument("--assume-copies", type=float, default=7.0, help="fp32 copies the PS may peak at (memory check)")
+    p.add_argument("--assume-copies", type=float, default=4.5, help="fp32 copies the PS may peak at (memory check)")
     p.add_argument("--ps", dest="extra_ps", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--work-dir", default=None, help="where the PS's state goes (snapshots: a model's size each)")
     args = p.parse_args()

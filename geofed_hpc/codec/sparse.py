@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -61,6 +62,24 @@ class SparseTensor:
         else:
             flat[self.indices] += f * values
 
+    def read(self, start: int, stop: int, factor: np.float32 | float = 1.0) -> np.ndarray:
+        """Values [start, stop) of zeros + factor * self as a new flat float32 array: the same float32 operations
+        as `add_into` makes on a zero tensor, on that range alone."""
+        out = np.zeros(stop - start, np.float32)
+        f = np.float32(factor)
+        lo, hi = np.searchsorted(self.indices, [start, stop])
+        idx = self.indices[lo:hi]
+        values = self.values[lo:hi]
+        if self.mean is not None and out.size:
+            values = values + self.mean[idx % self.mean.size]
+            out += tile(self.mean if factor == 1 else f * self.mean, start, out.size)
+            out[idx - start] = 0
+        if factor == 1:
+            out[idx - start] += values
+        else:
+            out[idx - start] += f * values
+        return out
+
     def scale(self, factor: np.float32) -> None:
         """self *= factor, in place."""
         self.values *= factor
@@ -100,14 +119,15 @@ def tile(mean: np.ndarray, start: int, n: int) -> np.ndarray:
 
 
 class DenseView(Mapping[str, np.ndarray]):
-    """A mapping of dense and sparse tensors read as dense arrays: a sparse one is densified when it is looked up."""
+    """A mapping of dense and sparse (or packed) tensors read as dense arrays: one that is not an array is densified
+    when it is looked up."""
 
-    def __init__(self, tensors: Mapping[str, np.ndarray | SparseTensor]) -> None:
+    def __init__(self, tensors: Mapping[str, Any]) -> None:
         self._tensors = tensors
 
     def __getitem__(self, name: str) -> np.ndarray:
         v = self._tensors[name]
-        return v.dense() if isinstance(v, SparseTensor) else v
+        return v if isinstance(v, np.ndarray) else v.dense()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)

@@ -28,6 +28,7 @@ import numpy as np
 from geofed_hpc.codec import frames, huffman, schemes, sparse
 from geofed_hpc.codec.frames import DATA, END, HEADER, FrameReader
 from geofed_hpc.codec.inputs import Tensor, pieces, tensors_of
+from geofed_hpc.codec.packed import IN_PLACE, PackedPiece, PackedTensor
 from geofed_hpc.codec.quant import block_minmax, block_scales, num_blocks
 from geofed_hpc.codec.sparse import SparseTensor
 from geofed_hpc.codec.zstdio import Inflater, compress_parts, compressor, decompressor
@@ -258,6 +259,7 @@ class Piece:
     values: np.ndarray
     indices: np.ndarray | None = None
     mean: np.ndarray | None = None  # sparse, first piece of a matrix: its mean row
+    packed: PackedPiece | None = None  # from a packing decoder: the piece's content, kept (`values` checked it)
 
 
 def _is_int(value: object, low: int, high: int) -> bool:
@@ -375,14 +377,15 @@ Target = Callable[[str, tuple[int, ...], int, int], np.ndarray]
 
 
 class Scratch:
-    """Buffers one decoder reuses from payload to payload: the decoded tensors, a piece's content and a zstd
-    decompressor. Writing to fresh pages costs more than decoding into them, and concurrent threads faulting pages
-    in contend in the kernel; reused buffers avoid both. A tensor decoded into a Scratch is valid until its next
-    payload."""
+    """Buffers one decoder reuses from payload to payload: the decoded tensors (not with `packed`), a piece's content
+    and values and a zstd decompressor. Writing to fresh pages costs more than decoding into them, and concurrent
+    threads faulting pages in contend in the kernel; reused buffers avoid both. A tensor decoded into a Scratch is
+    valid until its next payload."""
 
     def __init__(self) -> None:
         self._arrays: dict[str, np.ndarray] = {}
         self._content = np.empty(0, np.uint8)
+        self._piece = np.empty(0, np.float32)
         self.dctx = decompressor()
 
     def array(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -396,6 +399,12 @@ class Scratch:
             self._content = np.empty(size, np.uint8)
         return self._content[:size]
 
+    def piece(self, n: int) -> np.ndarray:
+        """A float32 buffer of n values (a piece's), reused."""
+        if self._piece.size < n:
+            self._piece = np.empty(n, np.float32)
+        return self._piece[:n]
+
     def keep_only(self, names: Iterable[str]) -> None:
         """Drop the buffers of tensors the last payload did not hold."""
         keep = set(names)
@@ -405,12 +414,20 @@ class Scratch:
 class StreamDecoder:
     """Decodes a stream from byte chunks of any size, piece by piece; `header` is set once it is read. With
     `sparse`, pieces of a sparse payload come as kept indices and values (never densified); with `scratch`, piece
-    contents are decoded in its reused buffer."""
+    contents are decoded in its reused buffer. With `packed`, each dense piece also keeps its content (`Piece.packed`,
+    in a buffer of its own) to be decoded again later; its `values` are then a reused buffer, valid until the next."""
 
-    def __init__(self, expected: Expected | None = None, sparse: bool = False, scratch: Scratch | None = None) -> None:
+    def __init__(
+        self,
+        expected: Expected | None = None,
+        sparse: bool = False,
+        scratch: Scratch | None = None,
+        packed: bool = False,
+    ) -> None:
         self.expected = expected
         self.sparse = sparse
         self.scratch = scratch
+        self.packed = packed
         self.header: Header | None = None
         self._mean: np.ndarray | None = None  # the mean row of the sparse matrix being decoded
 
@@ -439,6 +456,11 @@ class StreamDecoder:
                     idx += start
                     yield Piece(name, shape, start, vals, idx, self._mean if pi == 0 else None)
                     continue
+                if self.packed:
+                    out = self.scratch.piece(n) if self.scratch is not None else np.empty(n, np.float32)
+                    kept = self._piece(reader, sid, h, plan, ti, pi, start, n, out, keep=True)
+                    yield Piece(name, shape, start, out, packed=kept)
+                    continue
                 out = target(name, shape, start, n) if target else np.empty(n, np.float32)
                 self._piece(reader, sid, h, plan, ti, pi, start, n, out)
                 yield Piece(name, shape, start, out)
@@ -464,10 +486,12 @@ class StreamDecoder:
         start: int,
         n: int,
         out: np.ndarray | None,
-    ) -> tuple[np.ndarray, np.ndarray]:
+        keep: bool = False,
+    ) -> Any:
         """Read a piece's frames and decode it (with `plan`, the tensor's) into `out`; without `out` (sparse only)
-        return its kept offsets within the piece and values. A sparse matrix's mean row, which its first piece
-        starts with, is kept in `_mean`."""
+        return its kept offsets within the piece and values; with `keep`, return its content (a PackedPiece, in a
+        buffer of its own) too. A sparse matrix's mean row, which its first piece starts with, is kept in
+        `_mean`."""
         name = h.names[ti]
         what = f"tensor {name!r}"
         raw = h.codec == "paper_int8"
@@ -477,7 +501,8 @@ class StreamDecoder:
             blob = bytearray()
         else:
             size = head + schemes.content_size(plan, n)
-            content = self.scratch.content(size) if self.scratch is not None else np.empty(size, np.uint8)
+            fresh = keep or self.scratch is None
+            content = np.empty(size, np.uint8) if fresh else self.scratch.content(size)  # type: ignore[union-attr]
             sink = Inflater(content, what, self.scratch.dctx if self.scratch is not None else None)
         for k in range(1 << 32):
             try:
@@ -517,10 +542,13 @@ class StreamDecoder:
             content = content[head:]
         if out is None:
             return sparse.decode(content, plan.layout(n), what)
+        kept = PackedPiece(start, n, content, plan, self._mean) if keep else None
+        if keep and plan.codec in IN_PLACE:
+            content = content.copy()  # decoding undoes the prediction in place: the kept content stays as sent
         schemes.decode(content, plan, out, what, start)
         if self._mean is not None:
             out += sparse.tile(self._mean, start, n)
-        return _NOTHING
+        return kept if keep else _NOTHING
 
 
 _NOTHING = (np.zeros(0, np.int64), np.zeros(0, np.float32))
@@ -566,15 +594,22 @@ def decode_sparse(payload: object, expected: Expected | None = None) -> dict[str
 
 
 def decode_stream(
-    payload: object, expected: Expected | None = None, sparse: bool = False, scratch: Scratch | None = None
-) -> tuple[str, dict[str, np.ndarray | SparseTensor]]:
+    payload: object,
+    expected: Expected | None = None,
+    sparse: bool = False,
+    scratch: Scratch | None = None,
+    packed: bool = False,
+) -> tuple[str, dict[str, Any]]:
     """(codec, tensors) of a payload read to its end (bytes or byte chunks as they arrive); with `sparse` as
-    `decode_sparse` gives them, else dense; with `scratch`, dense tensors are its reused buffers."""
+    `decode_sparse` gives them, else dense; with `scratch`, dense tensors are its reused buffers; with `packed`,
+    dense tensors come as PackedTensors (their pieces' contents, checked by decoding each once, piece by piece into
+    the scratch's piece buffer: no float32 copy of the payload is ever made)."""
     chunks = _chunks_of(payload)
-    dec = StreamDecoder(expected, sparse=sparse, scratch=scratch)
+    dec = StreamDecoder(expected, sparse=sparse, scratch=scratch, packed=packed)
     parts: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
     means: dict[str, np.ndarray] = {}
     dense: dict[str, np.ndarray] = {}
+    packs: dict[str, PackedTensor] = {}
 
     def target(name: str, shape: tuple[int, ...], start: int, n: int) -> np.ndarray:
         if name not in dense:
@@ -582,6 +617,11 @@ def decode_stream(
         return dense[name].reshape(-1)[start : start + n]
 
     for piece in dec.pieces(chunks, target):
+        if piece.packed is not None:
+            t = packs.setdefault(piece.name, PackedTensor(piece.shape, [], f"tensor {piece.name!r}"))
+            t.pieces.append(piece.packed)
+            t.sq += float(np.dot(piece.values, piece.values)) if piece.values.size else 0.0
+            continue
         if piece.indices is not None:
             idx, vals = parts.setdefault(piece.name, ([], []))
             idx.append(piece.indices)
@@ -591,9 +631,11 @@ def decode_stream(
     assert dec.header is not None
     if scratch is not None and dense:
         scratch.keep_only(dense)
-    out: dict[str, np.ndarray | SparseTensor] = {}
+    out: dict[str, Any] = {}
     for name, shape in zip(dec.header.names, dec.header.shapes, strict=True):
-        if name in parts or (sparse and dec.header.plan.for_tensor(shape).codec == "sparse"):
+        if name in packs:
+            out[name] = packs[name]
+        elif name in parts or (sparse and dec.header.plan.for_tensor(shape).codec == "sparse"):
             idx, vals = parts.get(name, ([], []))
             kept, values = (np.concatenate(idx), np.concatenate(vals)) if idx else _NOTHING
             out[name] = SparseTensor(shape, kept, values, means.get(name))

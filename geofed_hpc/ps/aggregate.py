@@ -9,11 +9,65 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from geofed_hpc.codec.inputs import TensorSource
+from geofed_hpc.codec.packed import PackedTensor
 from geofed_hpc.codec.sparse import SparseTensor
 from geofed_hpc.paradigms.exchange import Params
 
-# A decoded delta: dense arrays, or for a sparse payload its kept indices and values (folded by scatter-add).
-Delta = dict[str, np.ndarray | SparseTensor]
+# A decoded delta: dense arrays, or for a sparse payload its kept indices and values (folded by scatter-add), or for
+# a dense payload its pieces' contents (PackedTensor: decoded piece by piece when folded).
+Delta = dict[str, np.ndarray | SparseTensor | PackedTensor]
+# Tensors that are arrays or read piece by piece (TensorSource: a folded delta kept as it came, a round's mean).
+Lazy = dict[str, np.ndarray | TensorSource]
+
+
+def piece_of(v: np.ndarray | TensorSource, start: int, stop: int) -> np.ndarray:
+    """Flat values [start, stop) of an array (a view: not to be written) or a source (a new array)."""
+    if isinstance(v, TensorSource):
+        return np.asarray(v.read(start, stop), np.float32)
+    return v.reshape(-1)[start:stop]
+
+
+def dense_of(v: np.ndarray | TensorSource) -> np.ndarray:
+    """An array as it is, or a source read whole into a new array."""
+    if not isinstance(v, TensorSource):
+        return v
+    out = np.empty(v.shape, np.float32)
+    flat = out.reshape(-1)
+    step = 1 << 24
+    for start in range(0, flat.size, step):
+        flat[start : start + step] = v.read(start, min(flat.size, start + step))
+    return out
+
+
+def _kept(v: SparseTensor | PackedTensor, factor: np.float32) -> TensorSource:
+    """zeros + factor * v (the first delta folded into an empty sum), read piece by piece from `v` as it came."""
+    if isinstance(v, SparseTensor):
+        return TensorSource(v.shape, lambda a, b: v.read(a, b, factor))
+
+    def read(a: int, b: int) -> np.ndarray:
+        x = v.read(a, b)
+        if factor != 1:
+            x *= factor
+        return x
+
+    return TensorSource(v.shape, read)
+
+
+def _times(v: np.ndarray | TensorSource, *factors: np.float32) -> TensorSource:
+    """v * f0 (a new array per piece), then *= each further factor in place: a round's mean read piece by piece."""
+
+    def read(a: int, b: int) -> np.ndarray:
+        if isinstance(v, TensorSource):  # a new array: scaled in place (the same float32 product as v * f0)
+            x = piece_of(v, a, b)
+            x *= factors[0]
+        else:
+            x = piece_of(v, a, b) * factors[0]
+        for f in factors[1:]:
+            x *= f
+        return x
+
+    return TensorSource(tuple(v.shape), read)
 
 
 @dataclass
@@ -22,7 +76,7 @@ class WeightedSum:
     weights, sum of weight*steps and the count. Two of them add term by term (peers that each folded part of a
     round), so the mean of the whole is taken once, at the end."""
 
-    total: Params
+    total: Lazy
     weight: float
     weighted_steps: float
     count: int
@@ -30,15 +84,24 @@ class WeightedSum:
     def mean(self) -> tuple[Params, float]:
         """(weighted mean in new arrays, FedNova's tau_eff); the sum stays as it is, so a round whose update
         cannot be made (a full disk) is still whole."""
+        sources, tau_eff = self.mean_sources()
+        return {k: dense_of(v) for k, v in sources.items()}, tau_eff
+
+    def mean_sources(self, times: float | None = None) -> tuple[dict[str, TensorSource], float]:
+        """As `mean`, but each tensor read piece by piece when it is used (no copy of the sum is made); `times`:
+        then multiplied by it too (FedNova's tau_eff), as `v *= times` on the mean would."""
         if not self.weight > 0:
             raise ValueError("no delta folded yet")
         inv = np.float32(1.0 / self.weight)
-        return {k: v * inv for k, v in self.total.items()}, self.weighted_steps / self.weight
+        factors = (inv,) if times is None else (inv, np.float32(times))
+        return {k: _times(v, *factors) for k, v in self.total.items()}, self.weighted_steps / self.weight
 
 
 class MeanAccumulator:
     """Fold weighted deltas into one running sum: memory is one model's worth, whatever the count. A sparse
-    tensor is scatter-added at its kept positions (the sum is the only dense copy).
+    tensor is scatter-added at its kept positions (the sum is the only dense copy). The first delta folded is kept
+    as it came when it is sparse or packed (a TensorSource reading zeros + factor * it piece by piece): a round of
+    one delta (async) never holds a dense copy of it; the sum becomes dense when a second one is folded.
 
     fold(delta, weight, scale, steps) adds weight*scale*delta; take_sum() hands over the WeightedSum (before the
     mean: what a peer group would reduce), take_mean() its mean and FedNova's effective step count (the weighted
@@ -47,14 +110,14 @@ class MeanAccumulator:
     """
 
     def __init__(self) -> None:
-        self._sum: Params | None = None
+        self._sum: Lazy | None = None
         self.weight = 0.0
         self.weighted_steps = 0.0
         self.count = 0
 
     def fold(
         self,
-        delta: Mapping[str, np.ndarray | SparseTensor],
+        delta: Mapping[str, np.ndarray | SparseTensor | PackedTensor],
         weight: float = 1.0,
         scale: float = 1.0,
         steps: int = 0,
@@ -68,9 +131,8 @@ class MeanAccumulator:
         if self._sum is None:
             self._sum = {}
             for k, v in delta.items():
-                if isinstance(v, SparseTensor):
-                    self._sum[k] = np.zeros(v.shape, np.float32)
-                    v.add_into(self._sum[k], factor)
+                if isinstance(v, (SparseTensor, PackedTensor)):
+                    self._sum[k] = _kept(v, factor)
                     continue
                 own = np.array(v, dtype=np.float32, copy=True)
                 if factor != 1:
@@ -80,15 +142,18 @@ class MeanAccumulator:
             if delta.keys() != self._sum.keys():
                 raise ValueError("delta names differ from the ones already folded")
             for k, v in delta.items():
-                if isinstance(v, SparseTensor):
-                    v.add_into(self._sum[k], factor)
+                acc = self._sum[k]
+                if isinstance(acc, TensorSource):  # the first delta, kept as it came: the sum becomes dense
+                    acc = self._sum[k] = dense_of(acc)
+                if isinstance(v, (SparseTensor, PackedTensor)):
+                    v.add_into(acc, factor)
                 elif factor == 1:
-                    self._sum[k] += v
+                    acc += v
                 elif consume and v.dtype == np.float32:
                     v *= factor
-                    self._sum[k] += v
+                    acc += v
                 else:
-                    self._sum[k] += factor * v
+                    acc += factor * v
         self.weight += weight
         self.weighted_steps += weight * steps
         self.count += 1
@@ -99,10 +164,13 @@ class MeanAccumulator:
         self.reset()
         return out
 
-    def peek_sum(self) -> WeightedSum:
-        """Everything folded, before the mean, without starting afresh (the arrays are shared, not copied)."""
+    def peek_sum(self, lazy: bool = False) -> WeightedSum:
+        """Everything folded, before the mean, without starting afresh (the arrays are shared, not copied); with
+        `lazy` a first delta kept as it came stays a TensorSource (else it is read into an array now)."""
         if self._sum is None:
             raise ValueError("no delta folded yet")
+        if not lazy:
+            self._sum = {k: dense_of(v) for k, v in self._sum.items()}
         return WeightedSum(self._sum, self.weight, self.weighted_steps, self.count)
 
     def take_mean(self) -> tuple[Params, float]:
@@ -146,11 +214,11 @@ class RelativeWork:
         self._recent.extend(float(t) for t in recent)
 
 
-def global_norm(delta: Mapping[str, np.ndarray | SparseTensor]) -> float:
+def global_norm(delta: Mapping[str, np.ndarray | SparseTensor | PackedTensor]) -> float:
     """L2 norm over every tensor of `delta` (accumulated in float64)."""
     total = 0.0
     for v in delta.values():
-        if isinstance(v, SparseTensor):
+        if isinstance(v, (SparseTensor, PackedTensor)):
             total += v.sq_norm()
             continue
         flat = v.reshape(-1)
@@ -158,11 +226,11 @@ def global_norm(delta: Mapping[str, np.ndarray | SparseTensor]) -> float:
     return math.sqrt(total)
 
 
-def scale_delta(delta: Mapping[str, np.ndarray | SparseTensor], factor: float) -> None:
+def scale_delta(delta: Mapping[str, np.ndarray | SparseTensor | PackedTensor], factor: float) -> None:
     """delta *= factor, in place (a sparse tensor's kept values and mean row only)."""
     f = np.float32(factor)
     for v in delta.values():
-        if isinstance(v, SparseTensor):
+        if isinstance(v, (SparseTensor, PackedTensor)):
             v.scale(f)
         else:
             v *= f
@@ -239,6 +307,37 @@ class OuterOptimizer:
             d += mu * buf
             d *= lr
         return delta, buffers
+
+    def piece(
+        self, name: str, d: np.ndarray, start: int, old: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """`propose` on flat piece [start, start + d.size) of tensor `name` of the aggregated delta (`d`, a new
+        array, is consumed) with `old`, the tensor's momentum before the update (None: none yet): (the update's
+        piece, the new momentum's piece or None), the same float32 operations as `propose` makes on the whole;
+        nothing changes (see `commit_piece`)."""
+        lr = np.float32(self.lr)
+        if self.kind != "nesterov":
+            d *= lr
+            return d, None
+        mu = np.float32(self.momentum)
+        if old is None:
+            buf = d.copy()
+        else:  # mu * old + d, the product's array reused for the sum
+            buf = np.multiply(old.reshape(-1)[start : start + d.size], mu)
+            buf += d
+        scaled = np.multiply(buf, mu)
+        d += scaled
+        del scaled
+        d *= lr
+        return d, buf
+
+    def commit_piece(self, name: str, shape: tuple[int, ...], buf: np.ndarray, start: int) -> None:
+        """Take a new momentum's piece `buf` (in the tensor's buffer, in place: each piece of the old one is read
+        before it is overwritten; a tensor with none yet gets a new one)."""
+        old = self.buffers.get(name)
+        if old is None or old.shape != shape:
+            old = self.buffers[name] = np.empty(shape, np.float32)
+        old.reshape(-1)[start : start + buf.size] = buf
 
     def commit(self, buffers: Params | None) -> None:
         """Take the state a proposal computed (None: nothing to take)."""

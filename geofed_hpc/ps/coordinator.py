@@ -22,6 +22,7 @@ from geofed_hpc.ps.ledger import PushLedger, resent
 from geofed_hpc.ps.model import GlobalModel, NonFiniteUpdate
 from geofed_hpc.ps.observe import Contribution, Observer
 from geofed_hpc.ps.persist import Persistence, load_init
+from geofed_hpc.ps.pulls import Payload
 from geofed_hpc.ps.remote import local_state, remote_state
 from geofed_hpc.ps.rounds import Prepared, RoundTotals
 from geofed_hpc.ps.sessions import Session, SessionTable, handle_of
@@ -90,6 +91,7 @@ class Coordinator:
         idle_after = 3 * cfg.round_timeout.total_seconds()
         self.sessions = SessionTable(tokens, clock, idle_after, cfg.max_sessions, cfg.max_sessions_per_site)
         self.model = GlobalModel(cfg, settings, exchange, state / "updates" if state else None, codec)
+        self.model.spill = lambda: staging.new_path("model")  # the encoded model of whole pulls: a file, not RAM
         self.strategy = strategy_for(cfg, staging, clock)
         self.ledger = PushLedger()
         stamp = {"aggregation": cfg.aggregation, "outer_optimizer": cfg.outer_optimizer, "paradigm": settings.paradigm}
@@ -163,7 +165,7 @@ class Coordinator:
 
     def wait_model(
         self, request: m.ModelRequest, deadline: float, caller: Caller | None = None
-    ) -> tuple[m.ModelHeader, bytes]:
+    ) -> tuple[m.ModelHeader, Payload]:
         """The model (or the updates since the site's version) once it reaches `request.min_version`, or at
         `deadline` (time.monotonic), shutdown, or the end of the call (`caller`: a cancelled long-poll stops waiting
         at once) with what there is. The wait holds no lock of the coordinator's."""
@@ -184,7 +186,7 @@ class Coordinator:
                 if ready or self._closing or left <= 0:
                     if not self.model.initialized:
                         raise StaleError("the global model is not initialized yet: push an init first")
-                    header, payload = self.model.payload(request)
+                    header, payload = self.model.serve(request)
                     session.version = header.version
                     return header, payload
             with self._versions:
@@ -339,7 +341,7 @@ class Coordinator:
         # (sum, weight, count) before the mean: what a peer group reduces (a peer may hold none of the round)
         totals = self.strategy.take() if self.strategy.count else RoundTotals(0, [])
         try:
-            proposal = self.model.propose(self.strategy.aggregate(reduce(totals) if reduce else totals))
+            proposal = self.model.propose(self.strategy.aggregate(reduce(totals) if reduce else totals, lazy=True))
             fault("ps.aggregate", str(version))
             self.model.commit(proposal)
         except NonFiniteUpdate as exc:
@@ -478,6 +480,7 @@ class Coordinator:
                 self._close_round("shutdown: applying the open round early")
             self._snapshot()
             self.strategy.clear()
+        self.persistence.settle()  # the last snapshot's upload (off the lock) is in the store before the PS exits
 
     def ps_metrics(self) -> dict[str, float | int]:
         """The ps/* metric values now (the global validation loss once a site reported it for this version)."""

@@ -35,10 +35,11 @@ class Ingest:
     a broken stream leaves the model untouched. A push that finds no free slot is staged whole and decoded later
     (ParameterServerLogic's staged path), and takes a slot then.
 
-    Memory: a slot keeps the buffers it decodes dense deltas into (a Scratch: writing fresh pages costs more than
-    decoding, and threads faulting them in at once contend in the kernel), so the PS holds `threads` models' worth
-    for decoding, at most, plus QUEUE_CHUNKS chunks per stream being decoded; a sparse delta needs no model-sized
-    buffer.
+    Memory: no model-sized buffer. A dense delta is kept as its pieces' contents (codec.PackedTensor: the
+    decompressed symbols and scales, about a quarter of its float32 size for int8), each piece decoded once here
+    into the slot's piece buffer (a Scratch: one piece, reused) to check it and take its norm, and decoded again
+    piece by piece when it is folded; a sparse delta as its kept indices and values. Plus QUEUE_CHUNKS chunks per
+    stream being decoded.
 
     Lock: the free slots are a queue (`_free`, each with its Scratch); each stream's queue belongs to its push.
     """
@@ -132,13 +133,13 @@ class Ingest:
         admit: Admit,
         scratch: Scratch,
     ) -> m.PushReply:
-        """On a pool thread: decode the stream's chunks as they come (dense tensors into the slot's reused
-        buffers); once the stream verified (it ends with _END, never _ABORT) admit the delta, which is folded or
-        spooled before the buffers are used again."""
+        """On a pool thread: decode the stream's chunks as they come (dense pieces checked in the slot's piece
+        buffer, kept as their contents); once the stream verified (it ends with _END, never _ABORT) admit the
+        delta."""
         try:
             feed = _Feed(chunks)
             try:
-                name, delta = codec.decode_stream(feed, expected, sparse=True, scratch=scratch)
+                name, delta = codec.decode_stream(feed, expected, sparse=True, scratch=scratch, packed=True)
             except BaseException as exc:
                 feed.drain()  # whatever went wrong, the handler must never block on a full queue
                 if feed.aborted:

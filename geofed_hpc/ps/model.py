@@ -5,22 +5,24 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from geofed_hpc import codec
+from geofed_hpc.codec.inputs import TensorSource
 from geofed_hpc.codec.sparse import DenseView
 from geofed_hpc.config import CodecConfig, PSConfig
 from geofed_hpc.errors import ProtocolError
 from geofed_hpc.log import logger
 from geofed_hpc.paradigms.exchange import Exchange
-from geofed_hpc.ps.aggregate import Delta, OuterOptimizer, Params, add_update
-from geofed_hpc.ps.downlink import Downlink, Published
+from geofed_hpc.ps.aggregate import Delta, OuterOptimizer, Params, add_update, piece_of
+from geofed_hpc.ps.downlink import Downlink, Pending
 from geofed_hpc.ps.persist import PSState
+from geofed_hpc.ps.pulls import ModelFile, Payload, chunks_of, sha256_of, write_model
 from geofed_hpc.rpc import messages as m
-from geofed_hpc.rpc.stream import digest
 
 CHAIN_CACHE = 4  # update chains kept ready per version (sites at different versions ask for different ones)
 
@@ -31,12 +33,53 @@ class NonFiniteUpdate(ProtocolError):
 
 @dataclass
 class Proposal:
-    """One global update, computed but not made: the downlink's encoding of it, the outer optimizer's state after
-    it (None: stateless) and what it adds to each model tensor."""
+    """One global update, computed but not made: the downlink's encoding of it (`payload`, from `version`), the
+    aggregated delta it was computed from (read again, piece by piece, when it is made: the outer optimizer's new
+    state and the downlink's new residual are never held beside the old ones) and, for a paradigm whose updates
+    expand (zeroth order), what it adds to each model tensor."""
 
-    published: Published
-    momentum: Params | None
-    expanded: Params
+    version: int
+    payload: bytes | Pending
+    delta: Mapping[str, np.ndarray | TensorSource]
+    expanded: Params | None = None
+
+
+class _Step:
+    """The update's pieces, computed from the aggregated delta, the outer optimizer's state and the downlink's
+    residual as they are before the update is made (so the same values come out each time a piece is read)."""
+
+    def __init__(self, model: GlobalModel, delta: Mapping[str, np.ndarray | TensorSource]) -> None:
+        self.delta = delta
+        self.outer = model.outer
+        self.buffers = dict(model.outer.buffers)  # before the update: read, then overwritten piece by piece
+        self.residual = dict(model.downlink.residual)
+        self.version = model.version
+
+    def update(self, name: str, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """(the update's piece, the new momentum's piece or None); NonFiniteUpdate on an overflow."""
+        v = self.delta[name]
+        d = piece_of(v, start, stop)
+        if not isinstance(v, TensorSource):
+            d = d.copy()  # consumed below
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below, by name
+            u, buf = self.outer.piece(name, d, start, self.buffers.get(name))
+        if not np.isfinite(u).all():
+            raise NonFiniteUpdate(f"the update of {name} at version {self.version} holds NaN or Inf (overflow)")
+        return u, buf
+
+    def target(self, name: str, start: int, stop: int) -> np.ndarray:
+        """The update's piece plus the downlink's residual: what the downlink encodes."""
+        u, _ = self.update(name, start, stop)
+        res = self.residual.get(name)
+        if res is not None:
+            u += res.reshape(-1)[start:stop]
+        return u
+
+    def sources(self) -> dict[str, TensorSource]:
+        return {k: TensorSource(tuple(v.shape), self._reader(k)) for k, v in self.delta.items()}
+
+    def _reader(self, name: str) -> Callable[[int, int], np.ndarray]:
+        return lambda a, b: self.target(name, a, b)
 
 
 def downlink_codec(cfg: PSConfig, settings: m.RunSettings, run_codec: CodecConfig | None) -> CodecConfig:
@@ -73,9 +116,10 @@ class GlobalModel:
         self._spec: dict[str, tuple[tuple[int, ...], str]] = {}  # what a delta carries
         self.outer = OuterOptimizer(cfg.outer_optimizer, cfg.global_lr, cfg.momentum)
         self.downlink = Downlink(downlink_codec(cfg, settings, run_codec), cfg.downlink_history, updates)
-        self._model_cache: tuple[int, bytes, bytes] | None = None
+        self._model_cache: ModelFile | None = None  # the encoded model of a version, in an unlinked file
+        self.spill: Callable[[], Path] | None = None  # where it is written (a fresh path; None: kept in memory)
         self._digest: tuple[int, bytes] | None = None  # the model's identity at a version (codec.model_digest)
-        self._chain_cache: OrderedDict[int, tuple[bytes, bytes, list[int]]] = OrderedDict()
+        self._chain_cache: OrderedDict[int, tuple[Payload, bytes, list[int]]] = OrderedDict()
 
     @property
     def initialized(self) -> bool:
@@ -160,42 +204,91 @@ class GlobalModel:
         """Refuse a decoded delta that does not fit this model (before folding: it cannot be undone)."""
         self.exchange.check(DenseView(delta), self.version, self._shapes)
 
-    def propose(self, delta: Params) -> Proposal:
-        """The update for an aggregated `delta` (consumed): the outer optimizer's step and the downlink's encoding,
-        checked to keep the model finite. Nothing changes until `commit`; NonFiniteUpdate refuses it."""
+    def propose(self, delta: Mapping[str, np.ndarray | TensorSource]) -> Proposal:
+        """The update for an aggregated `delta` (arrays or sources read piece by piece; not changed): the outer
+        optimizer's step and the downlink's encoding, checked to keep the model finite. Nothing changes until
+        `commit`; NonFiniteUpdate refuses it. Memory: the encoded update and a few pieces (64 MiB each); no
+        model-sized array is made (but for a paradigm whose updates expand)."""
         assert self.params is not None
-        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused below, by name
-            update, momentum = self.outer.propose(delta)
-        for k, v in update.items():
-            if not np.isfinite(v).all():
-                raise NonFiniteUpdate(f"the update of {k} at version {self.version} holds NaN or Inf (overflow)")
-        published = self.downlink.propose(self.version, update)
-        expanded = self.exchange.expand(published.applied, self.version, self._shapes)
-        for k, v in expanded.items():
-            if not np.isfinite(v).all():
-                raise NonFiniteUpdate(f"the update of {k} at version {self.version} holds NaN or Inf")
-            with np.errstate(over="ignore"):
-                after = self.params[k] + v
-            if not np.isfinite(after).all():
-                raise NonFiniteUpdate(f"the update at version {self.version} would turn {k} to Inf (overflow)")
-        return Proposal(published, momentum, dict(expanded))
+        step = _Step(self, delta)
+        payload = self.downlink.encode(self.version, step.sources())
+        expanded = None
+        try:
+            if type(self.exchange).expand is not Exchange.expand:
+                applied = codec.decode(_chunks(payload))
+                expanded = dict(self.exchange.expand(applied, self.version, self._shapes))
+                for k, v in expanded.items():
+                    self._check_adds(k, v, 0)
+            else:
+                for piece in codec.StreamDecoder().pieces(_chunks(payload)):
+                    self._check_adds(piece.name, piece.values, piece.start, spare=True)
+        except BaseException:
+            if isinstance(payload, Pending):
+                payload.discard()  # refused: its file goes now
+            raise
+        return Proposal(self.version, payload, delta, expanded)
+
+    def _check_adds(self, name: str, values: np.ndarray, start: int, spare: bool = False) -> None:
+        """NonFiniteUpdate unless `values`, added to `name` from flat index `start`, keep it finite (`spare`: the sum
+        may be made in `values`, which is not used after)."""
+        assert self.params is not None
+        if not np.isfinite(values).all():
+            raise NonFiniteUpdate(f"the update of {name} at version {self.version} holds NaN or Inf")
+        with np.errstate(over="ignore"):
+            flat = values.reshape(-1)
+            after = np.add(self.params[name].reshape(-1)[start : start + flat.size], flat, out=flat if spare else None)
+        if not np.isfinite(after).all():
+            raise NonFiniteUpdate(f"the update at version {self.version} would turn {name} to Inf (overflow)")
 
     def commit(self, proposal: Proposal) -> None:
         """Make a proposed update: keep it on the downlink (the one step that may fail, an OSError: then nothing
-        changed), take the optimizer's new state, add it to the model, which moves to the next version."""
-        assert self.params is not None and proposal.published.version == self.version
-        self.downlink.commit(proposal.published)
-        self.outer.commit(proposal.momentum)
-        add_update(self.params, proposal.expanded)
+        changed), then piece by piece take the optimizer's new state and the downlink's new residual (written over
+        the old ones in place) and add the update to the model, which moves to the next version."""
+        assert self.params is not None and proposal.version == self.version
+        self.downlink.store(proposal.version, proposal.payload)
+        step = _Step(self, proposal.delta)
+        lossy = self.downlink.lossy
+        residual: Params = {}
+        momentum = self.outer.kind == "nesterov"
+        for piece in codec.StreamDecoder().pieces(_chunks(proposal.payload)):
+            name, start, dec = piece.name, piece.start, piece.values
+            stop = start + dec.size
+            u, buf = step.update(name, start, stop)
+            res = step.residual.get(name)
+            if res is not None:
+                u += res.reshape(-1)[start:stop]
+            if lossy:
+                np.subtract(u, dec, out=u)
+                _write(residual, name, piece.shape, u, start, step.residual)
+            if buf is not None:
+                self.outer.commit_piece(name, piece.shape, buf, start)
+            if proposal.expanded is None:
+                self.params[name].reshape(-1)[start:stop] += dec
+        for name, v in proposal.delta.items():  # tensors without a value
+            shape = tuple(v.shape)
+            if lossy and name not in residual:
+                residual[name] = np.zeros(shape, np.float32)
+            if momentum and name not in self.outer.buffers:
+                self.outer.buffers[name] = np.zeros(shape, np.float32)
+        if lossy:
+            self.downlink.residual = residual
+        if proposal.expanded is not None:
+            add_update(self.params, proposal.expanded)
         self.version += 1
         self._new_version()
 
     def _new_version(self) -> None:
-        self._model_cache = self._digest = None
+        self._model_cache = None
+        self._digest = None
         self._chain_cache.clear()
 
     # ---------------------------------------------------------------- pulls
     def payload(self, request: m.ModelRequest) -> tuple[m.ModelHeader, bytes]:
+        """`serve`'s answer with its payload read into memory (for callers in process)."""
+        header, payload = self.serve(request)
+        return header, b"".join(chunks_of(payload))
+
+    def serve(self, request: m.ModelRequest) -> tuple[m.ModelHeader, Payload]:
         """The updates since the site's version when they are kept and smaller than the model; else the model."""
         assert self.params is not None
         since, now = request.have_version, self.version
@@ -205,22 +298,24 @@ class GlobalModel:
                 full = sum(4 * int(v.size) for v in self.params.values())
                 segments = self.downlink.chain(since, now, full)
                 if segments is not None:
-                    payload = b"".join(segments)
-                    cached = self._chain_cache[since] = (payload, digest(payload), [len(s) for s in segments])
+                    chain: Payload = list(segments)  # files, read when sent
+                    if all(isinstance(s, bytes) for s in segments):  # kept in memory: one is shared, not copied
+                        chain = segments[0] if len(segments) == 1 else b"".join(segments)  # type: ignore[arg-type]
+                    cached = self._chain_cache[since] = (chain, sha256_of(chain), [len(s) for s in segments])
                     while len(self._chain_cache) > CHAIN_CACHE:  # each is at most a model's worth of bytes
                         self._chain_cache.popitem(last=False)
             if cached is not None:
-                payload, sha, sizes = cached
+                chain, sha, sizes = cached
                 name = self.downlink.cfg.name
-                header = m.ModelHeader(now, name, len(payload), sha, "updates", since, sizes, self.digest())
-                return header, payload
+                header = m.ModelHeader(now, name, sum(sizes), sha, "updates", since, sizes, self.digest())
+                return header, chain
         if request.want_updates and since > now:
             logger.warning("a site holds version %d, newer than the global %d: sending the full model", since, now)
-        if self._model_cache is None or self._model_cache[0] != now:
-            payload = codec.encode(self.params, CodecConfig(name="fp32"))
-            self._model_cache = (now, payload, digest(payload))
-        _, payload, sha = self._model_cache
-        return m.ModelHeader(now, "fp32", len(payload), sha, "full", now, model_digest=self.digest()), payload
+        if self._model_cache is None or self._model_cache.version != now:
+            self._model_cache = write_model(self.params, now, self.spill() if self.spill else None)
+        kept = self._model_cache
+        header = m.ModelHeader(now, "fp32", kept.size, kept.sha256, "full", now, model_digest=self.digest())
+        return header, kept.payload
 
     def digest(self) -> bytes:
         """The identity of the model at this version (computed once per version)."""
@@ -240,3 +335,18 @@ class GlobalModel:
             h.update(k.encode())
             h.update(np.ascontiguousarray(self.params[k]).tobytes())  # type: ignore[index]
         return h.hexdigest()
+
+
+def _chunks(payload: bytes | Pending) -> list[bytes] | Iterator[bytes]:
+    """A payload's bytes in chunks (a file's read 1 MiB at a time)."""
+    return payload.chunks(1 << 20) if isinstance(payload, Pending) else [payload]
+
+
+def _write(into: Params, name: str, shape: tuple[int, ...], piece: np.ndarray, start: int, old: Params) -> None:
+    """into[name][start : start + piece.size] = piece, into `old[name]`'s array when it has the shape (each of its
+    pieces is read before it is overwritten), else a new one."""
+    a = into.get(name)
+    if a is None:
+        o = old.get(name)
+        a = into[name] = o if o is not None and o.shape == shape else np.empty(shape, np.float32)
+    a.reshape(-1)[start : start + piece.size] = piece

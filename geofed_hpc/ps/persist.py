@@ -187,6 +187,11 @@ class Persistence:
         fault("ps.snapshot", str(state.version))
         return True
 
+    def settle(self) -> None:
+        """With the state on object storage: wait for the snapshot upload in flight (it runs off the lock)."""
+        if self._remote is not None:
+            self._remote.settle()
+
     def keep(self) -> None:
         """With the state on object storage: upload the token records that changed here."""
         if self._remote is not None:

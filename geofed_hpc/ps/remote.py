@@ -5,7 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import threading
+import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,7 @@ ASIDE_DIR = "set-aside"  # in the working folder: what it held that the store do
 KEPT_FILES = ("tokens.json", "auth.json")  # the token records (admin.token stays on the machine that made it)
 FORMAT = 1
 KEEP = 2  # snapshots the manifest names, newest first (as on disk)
+UPLOADS = ".upload"  # in the working folder: links to the snapshots being uploaded (local pruning cannot take them)
 CACHE = Path("~/.geofed/ps/cache")
 
 
@@ -53,17 +58,32 @@ class RemoteState:
     At start (`pull`) the folder is made to hold what the store holds: the snapshots `manifest.json` names (each
     checked against the size and SHA-256 the manifest records), the round journal's entries and the token records;
     snapshots and entries it held that the store does not (never committed) are set aside in its set-aside/.
-    Then every change that must outlive the machine is written through before it counts: a snapshot is uploaded,
-    then the manifest naming it is replaced (`commit`: a reader sees the old snapshot or the new one, never half of
-    one); a journaled delta is uploaded (payload, then its header) before its push is answered (`RemoteJournal`);
-    changed token records are uploaded at start and at each tick (`keep`). Staging, the downlink's updates and locks
-    stay local: what a new machine does not need. Lock: none; the coordinator's lock guards every call."""
+    Then every change that must outlive the machine is written through: a journaled delta is uploaded (payload,
+    then its header) before its push is answered (`RemoteJournal`); changed token records are uploaded at start
+    and at each tick (`keep`). A snapshot is uploaded on a thread of its own, off the PS's lock (`commit` only hands
+    it over; at most one upload in flight, a newer snapshot supersedes one not yet started), then the manifest naming
+    it is replaced: a reader sees the old snapshot or the new one, never half of one. Until that manifest is up, the
+    store keeps every journal entry since the snapshot it names, so a PS killed at any point is continued elsewhere
+    at the same versions; the entries a committed snapshot holds are removed after it (`defer`). Staging, the
+    downlink's updates and locks stay local: what a new machine does not need.
+
+    Lock: `_cond` guards the upload hand-over (`_pending`, `_deferred`, `_thread`, `committed`); the coordinator's
+    lock guards every other call."""
 
     def __init__(self, store: Store, local: Path) -> None:
         self.store = store
         self.local = local
         self.url = store.url
         self._kept: dict[str, tuple[int, int]] = {}  # what `keep` uploaded last: (size, mtime_ns) per file
+        self._cond = threading.Condition()
+        self._pending: tuple[Path, int] | None = None  # the staged snapshot the thread uploads next, its version
+        self._deferred: list[tuple[str, int]] = []  # journal entries to remove from the store once a snapshot of
+        # at least that version is committed
+        self._thread: threading.Thread | None = None
+        self.committed = -1  # the version of the newest snapshot this PS committed to the store
+        self.superseded = 0
+        self.seeded = False  # the journal was cleared: the next snapshot alone holds the model (uploaded at once)
+        shutil.rmtree(local / UPLOADS, ignore_errors=True)  # links a killed PS left
 
     # ---------------------------------------------------------------- start
     def pull(self) -> None:
@@ -159,8 +179,67 @@ class RemoteState:
 
     # ---------------------------------------------------------------- while running
     def commit(self, path: Path, version: int) -> None:
-        """Upload the snapshot just written at `path`, then replace the manifest so that it names it (and the one
-        before), then remove the snapshots no manifest names. StoreError: the manifest still names the old ones."""
+        """Hand the snapshot just written at `path` to the uploading thread (a link to it, so that local pruning
+        cannot take it) and return at once; a pending one not yet started is superseded. The first snapshot after
+        the journal was cleared (a model seeded: nothing else holds it) is uploaded here, before this returns."""
+        if self.seeded:
+            self.settle()
+            self._upload(path, version)  # StoreError: the caller logs it; the seed is not answered as durable
+            self.seeded = False
+            return
+        staged = self.local / UPLOADS / path.name
+        staged.parent.mkdir(mode=0o700, exist_ok=True)
+        staged.unlink(missing_ok=True)
+        os.link(path, staged)
+        with self._cond:
+            if self._pending is not None:
+                self.superseded += 1
+                self._pending[0].unlink(missing_ok=True)
+            self._pending = (staged, version)
+            if self._thread is None:  # not a daemon: a PS that exits finishes the upload first
+                self._thread = threading.Thread(target=self._uploads, name="ps-snapshot-upload")
+                self._thread.start()
+
+    def defer(self, stem: str, version: int) -> None:
+        """Remove journal entry `stem` from the store once a snapshot of `version` or later is committed."""
+        with self._cond:
+            self._deferred.append((stem, version))
+
+    def settle(self, wait: timedelta = timedelta(minutes=10)) -> bool:
+        """Wait, at most `wait`, for the snapshot upload in flight or pending; whether none is left."""
+        deadline = time.monotonic() + wait.total_seconds()
+        with self._cond:
+            while self._thread is not None and time.monotonic() < deadline:
+                self._cond.wait(timeout=max(0.01, deadline - time.monotonic()))
+            done = self._thread is None
+        if not done:
+            logger.error("the snapshot upload to %s did not finish within %s", self.url, wait)
+        return done
+
+    def _uploads(self) -> None:
+        while True:
+            with self._cond:
+                job, self._pending = self._pending, None
+                if job is None:
+                    self._thread = None
+                    self._cond.notify_all()
+                    return
+            staged, version = job
+            try:
+                self._upload(staged, version)
+            except Exception as exc:  # noqa: BLE001 - the thread must go on: the next snapshot is tried
+                logger.error(
+                    "snapshot of version %d could not be uploaded (%s keeps the one before and the journal since): %s",
+                    version,
+                    self.url,
+                    exc,
+                )
+            finally:
+                staged.unlink(missing_ok=True)
+
+    def _upload(self, path: Path, version: int) -> None:
+        """Upload a snapshot, then replace the manifest so that it names it (and the one before), then remove the
+        snapshots no manifest names and the journal entries it holds. StoreError: the manifest names the old ones."""
         key, digest = SNAPSHOTS + path.name, hashlib.sha256()
 
         def hashed() -> Iterator[bytes]:
@@ -177,10 +256,17 @@ class RemoteState:
         rows = [row, *[r for r in old if isinstance(r, dict) and r.get("key") != key]][:KEEP]
         manifest = {"format": FORMAT, "url": self.url, "snapshots": rows}
         self.store.put(MANIFEST, json.dumps(manifest, indent=1).encode())
+        with self._cond:
+            self.committed = max(self.committed, version)
+            done = [stem for stem, v in self._deferred if v <= self.committed]
+            self._deferred = [(stem, v) for stem, v in self._deferred if v > self.committed]
+        logger.debug("snapshot of version %d committed to %s", version, self.url)
         named = {r["key"] for r in rows}
         for stale in self.store.listing(SNAPSHOTS):
             if stale not in named:
                 self.store.delete(stale)
+        for stem in done:
+            _forget(self.store, stem)
 
     def keep(self) -> None:
         """Upload the token records that changed here since the last upload or pull (a failure is logged and tried
@@ -196,16 +282,26 @@ class RemoteState:
                 logger.error("could not upload %s (tried again later): %s", name, exc)
 
     def journal(self, directory: Path) -> RemoteJournal:
-        return RemoteJournal(directory, self.store)
+        return RemoteJournal(directory, self.store, self)
 
 
 class RemoteJournal(RoundJournal):
     """The round journal, each entry written through to `round/` of the store before its push is answered; an
-    entry dropped or set aside here is dropped or set aside there."""
+    entry dropped or set aside here is dropped or set aside there (one a snapshot holds, once that snapshot is
+    committed to the store: `RemoteState.defer`)."""
 
-    def __init__(self, directory: Path, store: Store) -> None:
+    def __init__(self, directory: Path, store: Store, state: RemoteState | None = None) -> None:
         super().__init__(directory)
         self.store = store
+        self._state = state
+        self._snapshot: int | None = None  # inside drop_before: the version of the snapshot that holds the entries
+
+    def drop_before(self, version: int) -> int:
+        self._snapshot = version
+        try:
+            return super().drop_before(version)
+        finally:
+            self._snapshot = None
 
     def _durable(self, name: str) -> None:
         try:
@@ -217,14 +313,13 @@ class RemoteJournal(RoundJournal):
 
     def _remove(self, stem: str) -> None:
         super()._remove(stem)
-        self._forget(stem)
+        if self._snapshot is not None and self._state is not None:
+            self._state.defer(stem, self._snapshot)  # the store keeps it until that snapshot is there
+        else:
+            self._forget(stem)
 
     def _forget(self, stem: str) -> None:
-        for suffix in (".json", ".push"):  # the header first: a payload alone is never replayed
-            try:
-                self.store.delete(f"{ROUND}{stem}{suffix}")
-            except OSError as exc:  # its round is in a snapshot: a restart drops it then
-                logger.warning("could not remove journal entry %s from the store: %s", stem, exc)
+        _forget(self.store, stem)
 
     def _move_aside(self, stem: str) -> Path:
         for suffix in (".push", ".json"):
@@ -241,6 +336,17 @@ class RemoteJournal(RoundJournal):
         for path in self.directory.glob("*.json"):
             self._forget(path.stem)
         super().clear()
+        if self._state is not None:
+            self._state.seeded = True
+
+
+def _forget(store: Store, stem: str) -> None:
+    """Remove journal entry `stem` from the store, its header first: a payload alone is never replayed."""
+    for suffix in (".json", ".push"):
+        try:
+            store.delete(f"{ROUND}{stem}{suffix}")
+        except OSError as exc:  # its round is in a snapshot: a restart drops it then
+            logger.warning("could not remove journal entry %s from the store: %s", stem, exc)
 
 
 def _stamp(path: Path) -> tuple[int, int]:

@@ -13,10 +13,12 @@ from geofed_hpc.config import PSConfig
 from geofed_hpc.log import logger
 from geofed_hpc.ps.aggregate import (
     Delta,
+    Lazy,
     MeanAccumulator,
     Params,
     WeightedSum,
     clip_scale,
+    dense_of,
     global_norm,
     robust_rule,
     scale_delta,
@@ -154,7 +156,7 @@ class OpenRound:
         r, self._open = self._open, _Open()
         if r.spooled:
             return RoundTotals(r.count, list(r.push_ids), spooled=r.spooled, source=r)
-        return RoundTotals(r.count, list(r.push_ids), folded=r.acc.peek_sum(), source=r)
+        return RoundTotals(r.count, list(r.push_ids), folded=r.acc.peek_sum(lazy=True), source=r)
 
     def restore(self, totals: RoundTotals) -> None:
         """Put a taken round back as the open one (its update could not be made): nothing of it is lost."""
@@ -167,19 +169,23 @@ class OpenRound:
             s.path.unlink(missing_ok=True)
         totals.source = None
 
-    def aggregate(self, totals: RoundTotals) -> Params:
-        """The round's aggregated delta in new arrays: the robust rule over its spooled deltas or its weighted
-        mean, times FedNova's effective step count (the totals stay whole: see `restore`)."""
-        if totals.spooled:
-            result = self._robust(totals.spooled)
-            tau_eff = float(np.mean([s.steps for s in totals.spooled]))
-        else:
+    def aggregate(self, totals: RoundTotals, lazy: bool = False) -> Lazy:
+        """The round's aggregated delta in new arrays: the robust rule over its spooled deltas or its weighted mean,
+        times FedNova's effective step count (the totals stay whole: see `restore`). With `lazy` a weighted mean
+        is read piece by piece from the sum when it is used (TensorSources: no copy of the sum is made)."""
+        fednova = self.cfg.outer_optimizer == "fednova"
+        if not totals.spooled:
             assert totals.folded is not None
-            result, tau_eff = totals.folded.mean()
-        if self.cfg.outer_optimizer == "fednova":
+            w = totals.folded
+            tau_eff = w.weighted_steps / w.weight if w.weight > 0 else 0.0
+            sources, _ = w.mean_sources(tau_eff if fednova else None)
+            return dict(sources) if lazy else {k: dense_of(v) for k, v in sources.items()}
+        result = self._robust(totals.spooled)
+        tau_eff = float(np.mean([s.steps for s in totals.spooled]))
+        if fednova:
             for v in result.values():
                 v *= np.float32(tau_eff)
-        return result
+        return dict(result)
 
     def clear(self) -> None:
         """Drop the open round (its spooled files too)."""

@@ -25,6 +25,7 @@ from geofed_hpc.ps.gate import Gate
 from geofed_hpc.ps.grouped import GroupedCoordinator
 from geofed_hpc.ps.ingest import Ingest
 from geofed_hpc.ps.journal import sync_file
+from geofed_hpc.ps.pulls import payload_chunks
 from geofed_hpc.ps.remote import local_state
 from geofed_hpc.ps.sessions import Session
 from geofed_hpc.ps.slots import FairSlots
@@ -34,7 +35,7 @@ from geofed_hpc.ps.strategy import Strategy
 from geofed_hpc.ps.tokens import check_site_name, family_of
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.guard import Caller
-from geofed_hpc.rpc.stream import first_header, to_chunks
+from geofed_hpc.rpc.stream import first_header
 
 if TYPE_CHECKING:  # the server part imports torch: only a PS of a split paradigm loads it (ps/app.py)
     from geofed_hpc.ps.split.service import SplitService
@@ -125,7 +126,7 @@ class ParameterServerLogic:
         family = family_of(self.core.session_site(request.session_id))
         header, payload = self.core.wait_model(request, deadline, caller)
         with self._sending.held(family, self.cfg.stream_idle_timeout, "downloads", _ended(caller)):
-            yield from to_chunks(header, payload, self.cfg.chunk_bytes)
+            yield from payload_chunks(header, payload, self.cfg.chunk_bytes)
 
     def push_delta(self, chunks: Iterable[m.Chunk], caller: Caller | None = None) -> m.PushReply:
         it = iter(chunks)

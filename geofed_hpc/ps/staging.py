@@ -15,6 +15,7 @@ import numpy as np
 
 from geofed_hpc import codec
 from geofed_hpc.ckpt.atomic import PRIVATE_DIR, PRIVATE_FILE
+from geofed_hpc.codec.packed import PackedTensor
 from geofed_hpc.codec.sparse import SparseTensor
 from geofed_hpc.codec.stream import Scratch
 from geofed_hpc.errors import CodecError, ProtocolError
@@ -24,7 +25,7 @@ from geofed_hpc.ps.statedir import check_state_dir
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import Header, drain
 
-_KINDS = ("push-", "spool-")
+_KINDS = ("push-", "spool-", "model-")
 _PRIVATE = "geofed-ps-staging-"  # a private staging dir: <temp>/geofed-ps-staging-<pid>-<random>
 
 
@@ -99,14 +100,14 @@ class Staging:
             raise
         return path
 
-    def spool(self, arrays: Mapping[str, np.ndarray | SparseTensor], order: Iterable[str]) -> Path:
+    def spool(self, arrays: Mapping[str, np.ndarray | SparseTensor | PackedTensor], order: Iterable[str]) -> Path:
         """Write float32 arrays back to back, in `order`, to a new file (read back slice by slice); a sparse
         tensor is densified for its write alone."""
         path = self.new_path("spool")
         with _create(path) as f:
             for name in order:
                 v = arrays[name]
-                dense = v.dense() if isinstance(v, SparseTensor) else v
+                dense = v if isinstance(v, np.ndarray) else v.dense()
                 f.write(np.ascontiguousarray(dense, dtype="<f4").reshape(-1).view(np.uint8).data)
                 del dense
         return path
@@ -157,12 +158,13 @@ def decode_push(payload: bytes, header: m.PushHeader, expected: dict | None) -> 
 
 def decode_delta(
     payload: bytes, header: m.PushHeader, expected: dict, scratch: Scratch | None = None
-) -> dict[str, np.ndarray | SparseTensor]:
+) -> dict[str, np.ndarray | SparseTensor | PackedTensor]:
     """decode_push for a delta: a sparse one comes as SparseTensors (kept indices and values), never densified;
-    with `scratch` (a decoder slot's), dense tensors are its reused buffers (use them before the slot is free)."""
+    dense ones as PackedTensors (their pieces' contents, checked: decoded when folded); `scratch` (a decoder
+    slot's) lends its piece buffer and decompressor."""
     try:
         _check_codec(payload, header)
-        return codec.decode_stream(payload, expected, sparse=True, scratch=scratch)[1]
+        return codec.decode_stream(payload, expected, sparse=True, scratch=scratch, packed=True)[1]
     except CodecError as exc:
         raise ProtocolError(f"delta refused: {exc}") from None
 

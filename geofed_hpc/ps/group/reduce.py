@@ -11,7 +11,7 @@ import numpy as np
 
 from geofed_hpc import codec
 from geofed_hpc.config import CodecConfig
-from geofed_hpc.ps.aggregate import Params, WeightedSum
+from geofed_hpc.ps.aggregate import Lazy, Params, WeightedSum, dense_of
 from geofed_hpc.ps.group.collectives import Group, Traffic, allgather_bytes, allreduce_f32
 from geofed_hpc.ps.persist import PSState
 from geofed_hpc.ps.rounds import RoundTotals
@@ -55,10 +55,10 @@ def reduce_round(
             _unframe(b)[0] for b in allgather_bytes(pg, _frame(meta, b""), "exchange of round counts")
         ]
         flat = np.concatenate(
-            [(folded.total[k] if folded else np.zeros(s, np.float32)).reshape(-1) for k, s in spec.items()]
+            [(dense_of(folded.total[k]) if folded else np.zeros(s, np.float32)).reshape(-1) for k, s in spec.items()]
         )
         summed = allreduce_f32(pg, flat, traffic)
-        total: Params = {}
+        total: Lazy = {}
         offset = 0
         for k, s in spec.items():
             n = int(np.prod(s))
@@ -67,14 +67,15 @@ def reduce_round(
     else:
         payload = codec.encode(folded.total, wire) if folded else b""
         blobs = allgather_bytes(pg, _frame(meta, payload), "all-gather of round sums", traffic)
-        total = {k: np.zeros(s, np.float32) for k, s in spec.items()}
+        sums = {k: np.zeros(s, np.float32) for k, s in spec.items()}
         metas = []
         for blob in blobs:
             theirs, data = _unframe(blob)
             metas.append(theirs)
             if data:
                 for k, v in codec.decode(data, {k: (s, "float32") for k, s in spec.items()}).items():
-                    total[k] += v
+                    sums[k] += v
+        total = dict(sums)
     weight = sum(float(x["weight"]) for x in metas)
     steps = sum(float(x["weighted_steps"]) for x in metas)
     count = sum(int(x["count"]) for x in metas)

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 from geofed_hpc.config import PSConfig
 from geofed_hpc.errors import ProtocolError, StaleError
-from geofed_hpc.ps.aggregate import Delta, Params, staleness_discount
+from geofed_hpc.ps.aggregate import Delta, Lazy, Params, dense_of, staleness_discount
 from geofed_hpc.ps.rounds import OpenRound, Prepared, RoundTotals
 from geofed_hpc.rpc import messages as m
 
@@ -94,9 +94,10 @@ class Strategy(ABC):
         back when its update cannot be made, `release` once it is made or refused)."""
         return self.round.take()
 
-    def aggregate(self, totals: RoundTotals) -> Params:
-        """The aggregated delta of taken `totals`, in new arrays (the totals stay whole)."""
-        return self.round.aggregate(totals)
+    def aggregate(self, totals: RoundTotals, lazy: bool = False) -> Lazy:
+        """The aggregated delta of taken `totals`, in new arrays (the totals stay whole); with `lazy`, a weighted
+        mean is read piece by piece when it is used."""
+        return self.round.aggregate(totals, lazy)
 
     def restore(self, totals: RoundTotals) -> None:
         self.round.restore(totals)
@@ -105,10 +106,10 @@ class Strategy(ABC):
         self.round.release(totals)
 
     def close(self) -> tuple[Params, int]:
-        """Close the open round: its aggregated delta and how many deltas it holds."""
+        """Close the open round: its aggregated delta (in new arrays) and how many deltas it holds."""
         totals = self.take()
         try:
-            return self.aggregate(totals), totals.count
+            return {k: dense_of(v) for k, v in self.aggregate(totals).items()}, totals.count
         finally:
             self.release(totals)
 
