@@ -12,6 +12,9 @@ store, add the link's bandwidth and round trips. Each operation is the PS's own 
   uploaded and the manifest naming it committed (RemoteState.commit);
 - `snapshot read`: local disk: the file read back; s3: downloaded into an empty working folder and its SHA-256
   checked against the manifest (RemoteState.pull);
+- `snapshot write: s3, under the PS's lock`: what the PS's lock is held for on s3 (the upload runs off it);
+- `site checkpoint mirror`: a site checkpoint of the same size mirrored (train.checkpoint_mirror): the upload until
+  its manifest is up, what the training thread pays, and a purged site's restore;
 - `journal per delta`: one admitted delta of `--delta-kb` made durable before its push is answered
   (RoundJournal.record; on s3 RemoteJournal.record: the same, then payload and header uploaded); seconds per delta.
 
@@ -31,6 +34,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from geofed_hpc.ckpt import save_tensors  # noqa: E402
+from geofed_hpc.ckpt.mirror import CheckpointMirror, restore  # noqa: E402
 from geofed_hpc.ckpt.objects import file_chunks, open_store  # noqa: E402
 from geofed_hpc.ps.journal import RoundJournal  # noqa: E402
 from geofed_hpc.ps.remote import RemoteState  # noqa: E402
@@ -77,6 +82,29 @@ def journal_rows(local: RoundJournal, remote: RoundJournal, work: Path, kb: int,
             seconds += time.perf_counter() - t0
         out.append(row(f"journal per delta: {name}", len(payload), seconds / n))
     return out
+
+
+def mirror_rows(url: str, checkpoint: Path) -> list[dict[str, Any]]:
+    """A site checkpoint of the snapshot's size mirrored (train.checkpoint_mirror): what the training thread pays
+    (the hand-over) and the upload until its manifest is up, then the restore of a purged site."""
+    folder = checkpoint.parent / "site"
+    folder.mkdir()
+    path = folder / "site-000000001.gft"
+    os.link(checkpoint, path)
+    mirror = CheckpointMirror(url, "bench-0", folder)
+    t0 = time.perf_counter()
+    handed = timed(lambda: mirror.submit(path))
+    mirror.settle(timedelta(hours=1))
+    total = time.perf_counter() - t0
+    size = path.stat().st_size
+    purged = checkpoint.parent / "purged"
+    back = timed(lambda: restore(mirror, purged, "push.json"))
+    shutil.rmtree(purged, ignore_errors=True)
+    return [
+        row("site checkpoint mirror: s3 (upload + manifest)", size, total),
+        row("site checkpoint mirror: s3, on the training thread", size, handed),
+        row("site checkpoint restore: s3 (download + sha256 check)", size, back),
+    ]
 
 
 def library_rows(endpoint: str, url: str, snapshot: Path, kb: int, n: int) -> list[dict[str, Any]]:
@@ -133,7 +161,11 @@ def main() -> None:
         del tensors
         size = snapshot.stat().st_size
         remote = RemoteState(open_store(url), work / "vm1")
-        rows.append(row("snapshot write: s3 (upload + manifest)", size, timed(lambda: remote.commit(snapshot, 1))))
+        t0 = time.perf_counter()
+        held = timed(lambda: remote.commit(snapshot, 1))  # what the PS's lock waits for: the hand-over
+        remote.settle()
+        rows.append(row("snapshot write: s3 (upload + manifest)", size, time.perf_counter() - t0))
+        rows.append(row("snapshot write: s3, under the PS's lock", size, held))
         rows.append(row("snapshot read: local disk", size, timed(lambda: snapshot.read_bytes())))
         (work / "vm2").mkdir()
         fresh = RemoteState(open_store(url), work / "vm2")
@@ -142,6 +174,7 @@ def main() -> None:
         local_journal = RoundJournal(work / "vm1" / "local-round")
         remote_journal = remote.journal(work / "vm1" / "round")
         rows += journal_rows(local_journal, remote_journal, work, args.delta_kb, args.deltas)
+        rows += mirror_rows(url, snapshot)
         if args.compare:
             try:
                 rows += library_rows(endpoint, url, snapshot, args.delta_kb, args.deltas)
@@ -154,9 +187,9 @@ def main() -> None:
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1))
     print(NOTE)
-    print(f"{'what':<48}{'MB':>10}{'seconds':>12}{'MB/s':>10}")
+    print(f"{'what':<56}{'MB':>10}{'seconds':>12}{'MB/s':>10}")
     for r in rows:
-        print(f"{r['what']:<48}{r['mb']:>10}{r['seconds']:>12}{r['mb_per_s']:>10}")
+        print(f"{r['what']:<56}{r['mb']:>10}{r['seconds']:>12}{r['mb_per_s']:>10}")
 
 
 if __name__ == "__main__":

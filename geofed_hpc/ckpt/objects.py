@@ -57,6 +57,8 @@ class Store(Protocol):
     def get(self, key: str) -> bytes: ...
     def get_file(self, key: str, path: Path) -> int: ...
     def listing(self, prefix: str = "") -> dict[str, int]: ...
+    def tagged(self, prefix: str = "") -> dict[str, tuple[int, str]]: ...
+    def chunks(self, key: str) -> Iterator[bytes]: ...
     def delete(self, key: str) -> None: ...
 
 
@@ -108,6 +110,16 @@ class LocalStore:
                 if key.startswith(prefix) and not name.startswith("."):
                     out[key] = (Path(folder) / name).stat().st_size
         return out
+
+    def tagged(self, prefix: str = "") -> dict[str, tuple[int, str]]:
+        """(size, a tag that changes when the object is replaced: its mtime) of each object under `prefix`."""
+        return {k: (n, str((self.root / k).stat().st_mtime_ns)) for k, n in self.listing(prefix).items()}
+
+    def chunks(self, key: str) -> Iterator[bytes]:
+        try:
+            yield from file_chunks(self.root / key)
+        except FileNotFoundError:
+            raise StoreError(f"{self.where(key)}: no such object", missing=True) from None
 
     def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -187,6 +199,20 @@ class S3Store:
             for batch in self._ob.list(self._store, prefix or None):
                 out.update({str(meta["path"]): int(meta["size"]) for meta in batch})
         return out
+
+    def tagged(self, prefix: str = "") -> dict[str, tuple[int, str]]:
+        """(size, ETag) of each object under `prefix`: the tag changes when an object is replaced."""
+        out: dict[str, tuple[int, str]] = {}
+        with self._errors(prefix, "list"):
+            for batch in self._ob.list(self._store, prefix or None):
+                out.update({str(meta["path"]): (int(meta["size"]), str(meta.get("e_tag") or "")) for meta in batch})
+        return out
+
+    def chunks(self, key: str) -> Iterator[bytes]:
+        """An object's bytes as a stream of chunks (a large object is never held whole)."""
+        with self._errors(key, "read"):
+            for chunk in self._ob.get(self._store, key).stream(min_chunk_size=CHUNK):
+                yield bytes(chunk)
 
     def delete(self, key: str) -> None:
         with self._errors(key, "delete"):

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import numpy as np
 from geofed_hpc.ckpt import CheckpointStore, atomic_write_bytes
 from geofed_hpc.ckpt.atomic import PRIVATE_FILE, private_dirs
 from geofed_hpc.ckpt.best import BestCheckpoints
+from geofed_hpc.ckpt.mirror import CheckpointMirror, restore
 from geofed_hpc.ckpt.tensorfile import load_tensors, save_tensors
 from geofed_hpc.client.deferred import Deferred
 from geofed_hpc.client.evaluation import Evaluation
@@ -39,6 +41,9 @@ from geofed_hpc.paradigms.site import SiteParadigm
 from geofed_hpc.rpc import messages as m
 
 PUSH_RECORD = "push.json"  # the last push that went out, beside the checkpoints
+# How long a stopping job waits for the mirror's upload of its last checkpoint: well inside the lead time of the
+# signal before a time limit (submitit's USR2 comes 90 s before), so that the requeue after it still happens.
+MIRROR_WAIT = timedelta(seconds=30)
 
 
 @dataclass
@@ -137,10 +142,15 @@ class SiteCheckpoints:
 
     The checkpoint after each sync may be written in the background (train.background_checkpoint): its state is
     staged in host memory at once (a copy of the model, optimizer state and the rest: about 16 bytes a parameter)
-    and written by `writer` while the next interval trains. Every other write (a stop's, a deferral's, a resume's)
-    waits for it first and is synchronous, and so is the push record before a push goes out: a job killed while a
+    and written by `writer` while the next interval trains (so is an overlapped sync's, train.overlap, with the work
+    since its push as unpushed steps). Every other write (a stop's, a deferral's, a resume's) waits for it first and
+    is synchronous, and so is the push record before a push goes out: a job killed while a
     background write is in flight finds the previous complete checkpoint and the record of the push after it,
-    which is exactly the state a kill between a push and its checkpoint always left (see `push_record`)."""
+    which is exactly the state a kill between a push and its checkpoint always left (see `push_record`).
+
+    With train.checkpoint_mirror, each checkpoint, once complete on disk, and each push record go to a mirror in
+    object storage, uploaded on a thread of its own (ckpt/mirror.py); a site whose folder holds no checkpoint (its
+    scratch purged) first takes the mirror's newest complete one and its push record, then resumes as always."""
 
     def __init__(self, cfg: RunConfig, directory: Path, parts: SiteParts, job_id: str) -> None:
         self.cfg, self.parts, self.job_id = cfg, parts, job_id
@@ -150,10 +160,33 @@ class SiteCheckpoints:
         parts.group.shard_root = directory
         self.stamp = 0
         self.writer = BackgroundWriter(parts.replica.name)
+        self.mirror: CheckpointMirror | None = None  # train.checkpoint_mirror: each checkpoint copied there
+        if cfg.train.checkpoint_mirror:
+            self.mirror = CheckpointMirror(cfg.train.checkpoint_mirror, parts.replica.name, directory)
+            if self.store.latest_step() is None:  # scratch purged (or a first start): the mirror's newest, if any
+                restored = restore(self.mirror, directory, PUSH_RECORD)
+                if restored and restored[1] and parts.group.rank == 0:  # its shards, kept by the next settle
+                    self.index.add(restored[0].name, restored[1])
+            else:
+                self.mirror.check()
+
+    def _mirrored(self, path: Path, shards: dict[str, Any] | None) -> Path:
+        """Hand a checkpoint now complete on disk to the mirror (rank 0's; it uploads in the background)."""
+        if self.mirror is not None and self.parts.group.rank == 0:
+            self.mirror.submit(path, str(shards["dir"]) if shards else "")
+        return path
 
     def flush(self) -> Path | None:
         """Wait until the checkpoint being written in the background, if any, is on disk (its error raised)."""
+        if self.mirror is not None:
+            self.mirror.notes()  # what the mirror's thread had to say (it logs nothing itself)
         return self.writer.wait()
+
+    def leave(self, wait: timedelta = MIRROR_WAIT) -> None:
+        """The job stops, its checkpoint on disk: the mirror's upload of it finishes first, within `wait` (a stop
+        signal's requeue comes after this; past `wait` the upload goes on until the process exits)."""
+        if self.mirror is not None and self.parts.group.rank == 0:
+            self.mirror.settle(wait)
 
     def settle(self) -> None:
         """Before the job leaves: the background write finished; one that failed is logged (the previous complete
@@ -162,6 +195,8 @@ class SiteCheckpoints:
             self.writer.wait()
         except (OSError, CheckpointError) as exc:
             logger.error("%s: the checkpoint written in the background failed: %s", self.parts.replica.name, exc)
+        # the mirror's upload is not waited for here (a save may follow: the grace goes to the local checkpoint
+        # first); `leave` waits for it
 
     def record_push(self, header: m.PushHeader, draws: int, tokens_seen: int, syncs_after: int) -> None:
         """Before a push goes out: what it carries, on disk (push.json). A job killed after the PS applied it and
@@ -177,6 +212,8 @@ class SiteCheckpoints:
             "syncs": syncs_after,
         }
         atomic_write_bytes(self.store.directory / PUSH_RECORD, json.dumps(record).encode())
+        if self.mirror is not None and self.parts.group.rank == 0:
+            self.mirror.push(record)  # rides in the manifest of the newest checkpoint, uploaded in the background
 
     def push_record(self, restored: Restored | None) -> dict[str, Any] | None:
         """The record of a push that went out after `restored` was written (against its base), or None."""
@@ -198,10 +235,12 @@ class SiteCheckpoints:
         """Checkpoint; `pending`: unpushed work (kept with its base, and what of it is deferred), `pushed`: the
         delta is in. Returns the file written (`background`: the file being written: its state is staged now and
         written by `writer` while training goes on; a multi-rank site's ranks stage and write their shards with DCP's
-        async_save)."""
+        async_save). Unpushed work may be written in the background too (an overlapped sync's landing): the record
+        of the next push waits for the write (`record_push`), so a kill mid-write finds the previous checkpoint and
+        the push after it, as always."""
         self.flush()
         p = self.parts
-        background = background and not pending and not pushed
+        background = background and not pushed
         if background and p.group.multi and p.replica.exact and p.evaluation.version == p.replica.version:
             # a best checkpoint's shards are written at once, before the background save begins (a save of shards
             # waits for the one before it)
@@ -247,7 +286,7 @@ class SiteCheckpoints:
             return self._save_in_background(syncs, tensors, meta, best and not shards, what)
         if shards:
             self.index.add(self.store.path_for(syncs).name, shards["dir"])
-        path = self.store.save(syncs, tensors, meta)
+        path = self._mirrored(self.store.save(syncs, tensors, meta), shards)
         if shards:
             self.index.settle(path.name, shards["dir"])
         if best:
@@ -277,7 +316,7 @@ class SiteCheckpoints:
             if shards:  # every rank's shards are written, their folder in place, listed before the file names it
                 p.group.finish_shards()
                 self.index.add(path.name, shards["dir"])
-            written = self.store.save(syncs, staged, meta)
+            written = self._mirrored(self.store.save(syncs, staged, meta), shards)
             if shards:
                 self.index.settle(written.name, shards["dir"])
             if best_meta is not None:

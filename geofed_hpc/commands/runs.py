@@ -20,7 +20,10 @@ def cmd_data_prepare(cfg: RunConfig) -> int:
         f"{tokens:,} {index.dtype} tokens (largest id {index.max_id:,}, tokenizer {tok.name}) in {len(index.train)} "
         f"site shards + validation under {out}"
     )
-    print(f"train with: data.source={out}" + ("" if tok.name == "gpt2" else f" data.tokenizer={tok.name}"))
+    print(
+        f"train with: data.source={cfg.data.shards_url or out}"
+        + ("" if tok.name == "gpt2" else f" data.tokenizer={tok.name}")
+    )
     return 0
 
 

@@ -51,7 +51,11 @@ class DataConfig:
 
     source: str = "bible"
     """`bible` (shipped, offline); a file, folder or glob of .txt, .jsonl, .jsonl.gz, .jsonl.zst or .parquet files;
-    a folder written by Hugging Face `datasets` save_to_disk; SQuAD v1.1 JSON; or a `data prepare` folder."""
+    a folder written by Hugging Face `datasets` save_to_disk; SQuAD v1.1 JSON; or a `data prepare` folder. The
+    files, globs and prepared folders may be s3:// URLs too (s3://bucket/corpus/*.jsonl.zst, s3://bucket/shards)."""
+    shards_url: str = ""
+    """`data prepare` also uploads the shards it made to this URL (s3://bucket/prefix), index.json last: every site
+    then trains with data.source=<that URL>, fetching only its own shards (checked) into the token cache."""
     tokenizer: str = ""
     """gpt2 (GPT-2's BPE, shipped), or the path of any Hugging Face tokenizer.json ("": the model's tokenizer)."""
     text_field: str = "text"
@@ -70,7 +74,7 @@ class DataConfig:
     """Sequences per validation batch (0: train.batch_size)."""
 
     def __post_init__(self) -> None:
-        if self.source != "bible":
+        if self.source != "bible" and not self.source.startswith("s3://"):  # a bucket is checked when read
             path = Path(self.source).expanduser()
             check(
                 path.exists() or (glob.has_magic(self.source) and any(glob.iglob(str(path), recursive=True))),
@@ -149,6 +153,18 @@ class TrainConfig:
     """Write the checkpoint after each sync on a background thread while the next interval trains (one-process
     sites; multi-rank sites write their DCP shards at once). Its state is staged in host memory first: a second
     copy of the model and optimizer state, about 16 bytes a parameter. false: training waits for the write."""
+    checkpoint_mirror: str = ""
+    """An object store URL (s3://bucket/prefix; a folder works too) the site's checkpoints are mirrored to, each
+    uploaded in the background once it is on local disk (training never waits; a newer checkpoint supersedes one not
+    yet started) and visible there only once complete. A site whose checkpoint folder is empty (scratch purged)
+    resumes from the newest complete mirror. Credentials and endpoint: the standard AWS_* variables, ~/.aws or an
+    instance role, as for ps.state_dir. Checkpoints hold the site's session: keep the bucket private. "": none."""
+    overlap: StrictBool = False
+    """Overlapped syncs: at a sync the site hands its delta to a background sender (push, then pull of the version it
+    makes) and trains on; when that version arrives it moves onto it at the next step boundary, keeping the steps
+    trained since the push (local <- new global + (local now - local at push); docs/overlap.md). At most one push in
+    flight: an interval that ends first waits for it. Costs two more copies of the exchanged model in host memory
+    (8 bytes a parameter) and a global update that lands up to one interval late. Not for zo, fsl_sage or split."""
     slowdown: Annotated[StrictFloat, Field(ge=1, le=1000)] = 1.0
     """Emulated slower hardware: after each optimizer step, sleep (slowdown - 1) x that step's compute time
     (1: full speed, 4: a quarter of this machine's speed)."""

@@ -16,6 +16,7 @@ import numpy as np
 
 from geofed_hpc.config import DataConfig
 from geofed_hpc.data import encode, sources
+from geofed_hpc.data.remote import publish_shards
 from geofed_hpc.data.shards import INDEX, ShardFile, ShardIndex, atomic_write, is_shard_dir, read_index, write_index
 from geofed_hpc.data.sources import Meter, SourceFile, pieces, source_files
 from geofed_hpc.data.tokenizer import Tokenizer, load_tokenizer
@@ -41,8 +42,9 @@ class Progress:
 
 
 def stream_key(cfg: DataConfig, tok: Tokenizer, files: list[SourceFile]) -> str:
-    """What the token stream depends on: the files (path, size, mtime), the tokenizer and how text is read."""
-    parts = [[str(f.path.resolve()), f.size, f.path.stat().st_mtime_ns] for f in files]
+    """What the token stream depends on: the files (path, size, mtime; an object's URL, size, ETag), the tokenizer
+    and how text is read."""
+    parts = [f.identity() for f in files]
     settings = [tok.identity, cfg.text_field, cfg.max_tokens, sources.PIECE, sources.MAX_PIECE, encode.BATCH_CHARS]
     return hashlib.sha256(json.dumps([parts, settings]).encode()).hexdigest()
 
@@ -153,7 +155,9 @@ def prepare_shards(
     cfg: DataConfig, out_dir: Path, num_shards: int, tok: Tokenizer | None = None, workers: int = 0
 ) -> ShardIndex:
     """Tokenize cfg.source into `num_shards` disjoint train shards and one val shard (the tail) under out_dir, on
-    `workers` threads (0: data.workers). An interrupted prepare continues; one that finished is not redone."""
+    `workers` threads (0: data.workers). An interrupted prepare continues; one that finished is not redone.
+    cfg.source may be an s3:// object, prefix or glob (streamed); with data.shards_url the shards are uploaded there
+    too, index.json last, for every site to fetch."""
     if num_shards < 1:
         raise ConfigError(f"site.num_sites: data prepare needs at least one shard, got {num_shards}")
     tok = tok or load_tokenizer(cfg.tokenizer)
@@ -167,6 +171,8 @@ def prepare_shards(
             index = None
         if index is not None and index.recipe == recipe:
             logger.info("data prepare: %s already holds these shards; nothing to do", out_dir)
+            if cfg.shards_url:
+                publish_shards(out_dir, cfg.shards_url)
             return index
     created = out_dir  # the first folder this call creates (removed again when the input is bad)
     while not created.parent.exists():
@@ -187,6 +193,8 @@ def prepare_shards(
     index.recipe = recipe
     write_index(out_dir, index)
     shutil.rmtree(staging, ignore_errors=True)
+    if cfg.shards_url:
+        publish_shards(out_dir, cfg.shards_url)
     logger.info(
         "data prepare: %d tokens (%s) in %d train shards + val under %s", state.tokens, index.dtype, num_shards, out_dir
     )

@@ -6,16 +6,18 @@ import hashlib
 import json
 import os
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from geofed_hpc.config import DataConfig
-from geofed_hpc.data.corpus import load_tokens
+from geofed_hpc.data.corpus import default_cache_dir, load_tokens
+from geofed_hpc.data.remote import SETTING, fetch_shards, is_remote_shard_dir
+from geofed_hpc.data.sources import source_files
 from geofed_hpc.data.tokenizer import GPT2, Tokenizer, check_vocab, load_tokenizer
-from geofed_hpc.errors import ConfigError
+from geofed_hpc.errors import ConfigError, StoreError
 from geofed_hpc.log import logger
 
 INDEX = "index.json"
@@ -176,8 +178,33 @@ def site_tokens(cfg: DataConfig, vocab_size: int, site: int, sites: int) -> tupl
 
     tok = load_tokenizer(cfg.tokenizer)
     check_vocab(tok, vocab_size)
+    cfg = local_source(cfg, Path(cfg.cache_dir).expanduser() if cfg.cache_dir else default_cache_dir(), site, sites)
     if is_shard_dir(cfg.source):
         return open_site_shards(Path(cfg.source), site, sites, tok, vocab_size, verify=True)
     tokens = load_tokens(cfg, tok)
     train, val = split_tokens(tokens, cfg.val_fraction)
     return site_shard(train, site, sites), val
+
+
+def local_source(cfg: DataConfig, cache: Path, site: int, sites: int) -> DataConfig:
+    """`cfg` with an s3:// data.source made local for one site's training: a prepared shard folder's index and this
+    site's shards fetched (`fetch_shards`), or a raw corpus's objects downloaded into `cache` (then tokenized and
+    cached as any local corpus is)."""
+    if not cfg.source.startswith("s3://"):
+        return cfg
+    if is_remote_shard_dir(cfg.source):
+        return replace(cfg, source=str(fetch_shards(cfg.source, cache, site, sites)))
+    files = source_files(cfg.source)
+    digest = hashlib.sha256(json.dumps([f.identity() for f in files]).encode()).hexdigest()[:16]
+    folder = cache / "corpus" / digest
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, file in enumerate(files):
+        assert file.remote is not None
+        target = folder / f"{i:05d}-{file.path.name}"  # key order kept, names unique
+        if not (target.is_file() and target.stat().st_size == file.size):
+            try:
+                file.remote.download(target)
+            except StoreError as exc:
+                raise ConfigError(f"{SETTING}: {exc}") from None
+    logger.info("%d object(s) of %s downloaded into %s", len(files), cfg.source, folder)
+    return replace(cfg, source=str(folder))

