@@ -19,19 +19,25 @@ from geofed_hpc.testing.wan import FAR, NEAR, Wan, unavailable_reason
 LINKS = {"near": NEAR, "far": FAR}
 SITES = 3
 BASELINE = "blocking"  # today's loop: train, push, wait for the version, pull, evaluate, checkpoint (in the background)
-# Each mode's site overrides. `inline_ckpt` is the loop as it was before checkpoints left the training path.
+# Each mode's site overrides. `inline_ckpt` is the loop as it was before checkpoints left the training path;
+# `overlap` pushes and pulls on a background sender while the site trains on (train.overlap, docs/overlap.md).
 MODES: dict[str, list[str]] = {
-    "blocking": [],
-    "inline_ckpt": ["train.background_checkpoint=false"],
+    "blocking": ["train.overlap=false"],
+    "inline_ckpt": ["train.overlap=false", "train.background_checkpoint=false"],
+    "overlap": ["train.overlap=true"],
 }
 
 
-def run_one(mode: str, aggregation: str, link: str, workdir: Path, syncs: int, steps: int) -> dict[str, Any]:
-    """One federation: the PS and SITES sites, every site behind its own copy of `link`; its row."""
+def run_one(
+    mode: str, aggregation: str, link: str, workdir: Path, syncs: int, steps: int, slowdown: float = 1.0
+) -> dict[str, Any]:
+    """One federation: the PS and SITES sites, every site behind its own copy of `link`; its row. `slowdown`
+    (train.slowdown, every row alike) stands in for a larger model's compute per step."""
     names = [f"{link}{i}" for i in range(SITES)]
     with Wan({name: LINKS[link] for name in names}, workdir / "wan") as wan:
         # every site trains `steps` steps per sync, `syncs` syncs: the same tokens per site in every row
         cadence = [f"train.max_local_steps={steps}", "ps.round_timeout=10m", f"ps.min_sites={SITES}"]
+        cadence.append(f"train.slowdown={slowdown}")
         fed = WanFederation(wan, workdir, sync_interval="600s", max_syncs=syncs, extra=cadence)
         fed.start_ps(f"ps.aggregation={aggregation}")
         for name in names:
@@ -55,6 +61,7 @@ def run_one(mode: str, aggregation: str, link: str, workdir: Path, syncs: int, s
             "sites": SITES,
             "syncs": syncs,
             "steps_per_sync": steps,
+            "slowdown": slowdown,
             "goodput": statistics.mean(goodputs),
             "goodput_per_site": goodputs,
             "tokens_per_s": sum(rates),  # the federation's: each site's tokens over its first-to-last-step seconds
@@ -73,6 +80,7 @@ def main() -> None:
     parser.add_argument("--links", nargs="*", default=list(LINKS), choices=list(LINKS))
     parser.add_argument("--syncs", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6, help="local steps per sync (the same for every row)")
+    parser.add_argument("--slowdown", type=float, default=1.0, help="train.slowdown of every site in every row")
     parser.add_argument("--show", action="store_true", help="only print the table of an existing --json file")
     args = parser.parse_args()
     if args.show:
@@ -89,7 +97,7 @@ def main() -> None:
             for aggregation in args.aggregations:
                 for mode in modes:
                     where = Path(tmp) / f"{mode}-{aggregation}-{link}"
-                    rows.append(run_one(mode, aggregation, link, where, args.syncs, args.steps))
+                    rows.append(run_one(mode, aggregation, link, where, args.syncs, args.steps, args.slowdown))
                     print(f"{mode} {aggregation} {link}: goodput {rows[-1]['goodput']:.3f}", flush=True)
     base = {(r["aggregation"], r["link"]): r for r in rows if r["mode"] == BASELINE}
     for r in rows:
@@ -120,7 +128,8 @@ def print_table(out: dict[str, Any], path: Path) -> None:
             f"{d['tokens_per_s_vs_blocking']:>14.2f}x"
         )
     first = out["details"][0]
-    print(f"{first['sites']} sites per row, {first['syncs']} syncs of {first['steps_per_sync']} steps; {path}")
+    slow = f", train.slowdown={first['slowdown']:g}" if first.get("slowdown", 1.0) != 1.0 else ""
+    print(f"{first['sites']} sites per row, {first['syncs']} syncs of {first['steps_per_sync']} steps{slow}; {path}")
 
 
 if __name__ == "__main__":

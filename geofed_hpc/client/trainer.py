@@ -1,4 +1,5 @@
-"""One site's loop: join, pull, train for a wall-clock interval, push the delta, pull, checkpoint in the background."""
+"""One site's loop: join, pull, train for a wall-clock interval, push the delta, pull (or all of a sync in the
+background while training goes on: overlap.py), checkpoint in the background."""
 
 from __future__ import annotations
 
@@ -17,30 +18,34 @@ from geofed_hpc.client.checkpoints import Restored, SiteCheckpoints, SiteParts
 from geofed_hpc.client.evaluation import Evaluation
 from geofed_hpc.client.events import EventLog
 from geofed_hpc.client.link import PSLink
+from geofed_hpc.client.overlap import POLL_S, Flight, Overlap
 from geofed_hpc.client.phase import Lifecycle, Phase, StopAction
 from geofed_hpc.client.progress import Interval, Progress
 from geofed_hpc.client.replica import Replica
 from geofed_hpc.client.runtime import build_runtime
 from geofed_hpc.client.split import SplitLink
-from geofed_hpc.client.sync import SiteSync
+from geofed_hpc.client.sync import SiteSync, Synced
 from geofed_hpc.client.telemetry import SyncTimer
 from geofed_hpc.client.throttle import Throttle
 from geofed_hpc.client.uplink import Uplink
 from geofed_hpc.config import RunConfig
 from geofed_hpc.config.run import shareable
-from geofed_hpc.errors import GeofedError
+from geofed_hpc.egress.paths import announce as announce_path
+from geofed_hpc.egress.paths import choose as choose_path
+from geofed_hpc.egress.paths import record as record_path
+from geofed_hpc.errors import ConfigError, GeofedError
 from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
 from geofed_hpc.metrics import Recorder
 from geofed_hpc.paradigms.site import SplitSite
 from geofed_hpc.rpc import messages as m
-from geofed_hpc.rpc.client import PSClient
 
 
 class SiteTrainer:
     """Trains one site's model and keeps it in step with the parameter server. It owns its parts: the runtime
     (ranks, model, data: runtime.py), the session with the PS (link.py), the base model (replica.py), pushes and
-    work held through outages (uplink.py), one sync's protocol (sync.py), checkpoints (checkpoints.py),
+    work held through outages (uplink.py), one sync's protocol (sync.py; on a sender thread beside training with
+    train.overlap: overlap.py), checkpoints (checkpoints.py),
     evaluation (evaluation.py), and the phase that decides when a stop signal may be honoured (phase.py)."""
 
     def __init__(self, cfg: RunConfig, site_index: int, ps_address: str) -> None:
@@ -72,6 +77,9 @@ class SiteTrainer:
             split = SplitLink(cfg, link, paradigm, self.events, lambda: replica.version)
             paradigm.attach(self.runtime.model, split)
         self.sync = SiteSync(cfg, link, replica, uplink, group, paradigm, safe=self, split=split)
+        self.overlap = Overlap(self.sync) if cfg.train.overlap else None  # train.overlap: syncs beside training
+        if self.overlap is not None and (paradigm.custom_step or not paradigm.additive or split is not None):
+            raise ConfigError(f"train.overlap: paradigm={cfg.paradigm.name} cannot overlap its syncs (config/run.py)")
         parts = SiteParts(group, self.runtime.sampler, paradigm, replica, uplink, link, self.progress, self.evaluation)
         self.ckpt = SiteCheckpoints(cfg, directory / "ckpt", parts, self.events.job_id)
         self.throttle = Throttle(cfg.train.slowdown)  # train.slowdown: an emulated slower site
@@ -114,6 +122,7 @@ class SiteTrainer:
         failed, the previous one and the push record are what a resume reads)."""
         assert self.stop_signal is not None
         self.ckpt.settle()
+        self.ckpt.leave()  # train.checkpoint_mirror: the last checkpoint reaches the mirror (bounded wait)
         name = signal.Signals(self.stop_signal).name
         self.events("stop", signal=name, syncs=self.progress.syncs, version=self.sync.version)
 
@@ -145,16 +154,27 @@ class SiteTrainer:
             self._stop()
 
     def _record_push(self, header: m.PushHeader) -> None:
-        draws, tokens = self.runtime.sampler.draws, self.progress.tokens_seen
-        self.ckpt.record_push(header, draws, tokens, self.progress.syncs + 1)
+        flight = self._flight
+        if flight is not None:  # on the sender thread: what the site held at the push, not what it trained since
+            draws, tokens, syncs = flight.at_push
+        else:
+            draws, tokens, syncs = self.runtime.sampler.draws, self.progress.tokens_seen, self.progress.syncs + 1
+        self.ckpt.record_push(header, draws, tokens, syncs)
 
     def _after_step(self, steps: int, loss_sum: float) -> None:
         self.events.once("first_step", resume_seconds=round(time.time() - self.started, 3))
         fault("site.step", str(self.runtime.sampler.draws))
         if self.stop_signal is not None:
-            self.ckpt.settle()
-            self.ckpt.save(pending=self.interval.pending(steps, loss_sum))
-            self._stop()
+            self._stop_at(steps, loss_sum)
+
+    def _stop_at(self, steps: int, loss_sum: float) -> None:
+        """Stop at a step boundary: checkpoint the `steps` since the base (loss sum `loss_sum`) as unpushed work, and
+        leave. With a push in flight (train.overlap), its outcome is settled first."""
+        if self._flight is not None:
+            steps, loss_sum = self._settle_flight(steps, loss_sum)
+        self.ckpt.settle()
+        self.ckpt.save(pending=self.interval.pending(steps, loss_sum) if steps else None)
+        self._stop()
 
     # ---------------------------------------------------------------- training
     def _train_interval(self, settings: m.RunSettings) -> tuple[int, float]:
@@ -162,8 +182,9 @@ class SiteTrainer:
         and mean loss since the base, deferred work included."""
         group, deferred, link = self.runtime.group, self.sync.uplink.deferred, self.sync.link
         done, loss_sum = self.interval.begin()  # a requeued job finishes the interval it was in
-        held = deferred.steps  # intervals whose push failed go out with this one
-        steps, loss_sum = done + held, loss_sum + deferred.loss_sum
+        out = self._flight is not None  # a push in flight carries the work held before it
+        held = 0 if out else deferred.steps  # intervals whose push failed go out with this one
+        steps, loss_sum = done + held, loss_sum + (0.0 if out else deferred.loss_sum)
         deadline = self.interval.start + settings.sync_interval_s
         link.heartbeats.start()
         eval_every = self.cfg.train.eval_every
@@ -182,14 +203,20 @@ class SiteTrainer:
             loss_sum += loss if math.isfinite(loss) else 0.0  # a skipped step (NaN/Inf) trained nothing
             self.progress.tokens_seen += tokens
             self._after_step(steps, loss_sum)
+            flight = self._flight
+            if flight is not None and flight.done:  # the version our push made is here: move onto it
+                given, given_loss = self._land(steps, loss_sum)
+                steps, held, loss_sum = steps + given, held + given, loss_sum + given_loss
+            out = self._flight is not None
             if eval_every and self.runtime.sampler.draws % eval_every == 0:
                 self._evaluate_local()
             if settings.max_local_steps and steps - held >= settings.max_local_steps:
                 break
             if settings.sync_interval_s > 0 and time.monotonic() >= deadline:
                 break
-            if link.interval_ends(steps, self.sync.version, deferred):
+            if not out and link.interval_ends(steps, self.sync.version, deferred):
                 break
+        steps, loss_sum = self._wait_flight(steps, loss_sum)  # at most one push in flight: wait for the one out
         self.lifecycle.enter(Phase.BUSY)
         return steps, loss_sum / steps
 
@@ -234,7 +261,10 @@ class SiteTrainer:
             wandb_mode=cfg.wandb_mode,
             config=shareable(cfg),
         )
-        with PSClient(cfg.ps, self.ps_address) as client, recorder as rec:
+        route = choose_path(cfg, self.ps_address)  # site.egress: direct, proxy, relay, tunnel or spool
+        record_path(Path(cfg.run_dir), self.name, route)
+        with route, route.connect() as client, recorder as rec:
+            announce_path(rec, route)
             self.sync.link.client, self.sync.rec = client, rec
             client.keep_retrying = lambda: self.stop_signal is None  # a stop saves the unpushed work instead
             self._start(restored, rec)
@@ -311,8 +341,97 @@ class SiteTrainer:
         self.checkpointed()
         return True
 
+    # ---------------------------------------------------------------- overlapped syncs (train.overlap)
+    @property
+    def _flight(self) -> Flight | None:
+        """The overlapped sync whose push or pull is still out, if any."""
+        return self.overlap.flight if self.overlap is not None else None
+
+    def _sync_overlapped(self) -> None:
+        """Train one interval (moving onto the version the previous push made when it arrives, waiting for it at the
+        interval's end at the latest), then hand this interval's work to the sender and train on. The run's last
+        push is waited for: nothing is trained after it."""
+        assert self.overlap is not None
+        t0 = time.monotonic()
+        steps, train_loss = self._train_interval(self.sync.link.settings)  # a rejoin may change them
+        train_s = time.monotonic() - t0
+        self.ckpt.flush()  # the push record follows the newest complete checkpoint; no write runs beside the sender
+        at_push = (self.runtime.sampler.draws, self.progress.tokens_seen, self.progress.syncs + 1)
+        self.overlap.start(steps, train_loss, train_s, at_push)
+        if self.lifecycle.enter(Phase.IDLE):  # a stop came while the work was handed over
+            self._stop_at(0, 0.0)
+        if self.cfg.train.max_syncs and self.progress.syncs + 1 >= self.cfg.train.max_syncs:
+            self._wait_flight(0, 0.0)
+
+    def _wait_flight(self, steps: int, loss_sum: float) -> tuple[int, float]:
+        """Wait for the flight still out, if any, and land it (a stop meanwhile is honoured); the interval's steps and
+        loss sum since the base after it (a deferred push gives its work back)."""
+        while (flight := self._flight) is not None:
+            if flight.finished.wait(POLL_S):
+                given, given_loss = self._land(steps, loss_sum)
+                steps, loss_sum = steps + given, loss_sum + given_loss
+            elif self.stop_signal is not None:
+                self._stop_at(steps, loss_sum)
+        return steps, loss_sum
+
+    def _settle_flight(self, steps: int, loss_sum: float) -> tuple[int, float]:
+        """A stop with a push in flight: wait for the push's outcome (a stopping client retries no more). Back whole:
+        land it. Confirmed with its pull still out: the anchor is the base at the version the push made and the
+        `steps` since the push are the work since it (what a lost pull leaves today). The steps and loss sum since
+        the base, which the stop checkpoints as unpushed work."""
+        assert self.overlap is not None
+        if self.overlap.push_known():
+            given, given_loss = self._land(steps, loss_sum, stopping=True)
+            return steps + given, loss_sum + given_loss
+        self.overlap.adopt_anchor()
+        self.sync.uplink.deferred.clear()
+        self.progress.syncs += 1
+        self.events("overlap_stop", version=self.sync.version, steps_since_push=steps)
+        return steps, loss_sum
+
+    def _land(self, steps: int, loss_sum: float, stopping: bool = False) -> tuple[int, float]:
+        """The flight is back at a step boundary, `steps` trained since its push (loss sum `loss_sum`). Pushed: move
+        onto the version it made keeping those steps, count the sync, evaluate the global model when due, log and
+        checkpoint (the steps since the push as unpushed work against the new base). Deferred: its work stays against
+        the base; it is returned (steps, loss sum) to go out with this interval's. Else (0, 0.0)."""
+        assert self.overlap is not None and self.overlap.flight is not None
+        flight = self.overlap.flight
+        evaluate = not stopping and self.evaluation.due(last=self.progress.syncs + 1 == self.cfg.train.max_syncs)
+        val_loss, evaluated = math.nan, False  # NaN: not evaluated
+
+        def on_global(version: int) -> None:
+            nonlocal val_loss, evaluated
+            val_loss, evaluated = self.evaluation.run(version), True
+
+        self.overlap.land(steps, on_global if evaluate else None)
+        deferred = self.sync.uplink.deferred
+        if flight.synced is None:
+            if self.sync.rec is not None:
+                self.sync.rec.log({"sync/deferred_intervals": deferred.intervals, "sync/version": self.sync.version})
+            if not stopping:
+                pending = self.interval.pending(steps + deferred.steps, loss_sum + deferred.loss_sum)
+                self.ckpt.save({**pending, "overlap": "deferred"})
+            return deferred.steps, deferred.loss_sum
+        deferred.clear()
+        self.progress.syncs += 1
+        self.events("landed", version=self.sync.version, steps_since_push=steps, exact=self.sync.replica.exact)
+        sync_s = flight.train_s + time.monotonic() - flight.started
+        self._record_sync(flight.steps, flight.loss, flight.synced, flight.train_s, sync_s, val_loss, evaluated)
+        if stopping:
+            return 0, 0.0
+        if steps:  # mid-interval: the work since the push is unpushed work against the new base
+            pending = {**self.interval.pending(steps, loss_sum), "overlap": "landed"}
+            self.ckpt.save(pending, background=self.cfg.train.background_checkpoint)  # off the training path
+        else:
+            self.ckpt.save(background=self.cfg.train.background_checkpoint)
+        return 0, 0.0
+
+    # ---------------------------------------------------------------- blocking syncs
     def _sync_once(self, rec: Recorder) -> None:
         """Train one interval, push its work and pull (or defer it), evaluate when due, log, checkpoint."""
+        if self.overlap is not None:
+            self._sync_overlapped()
+            return
         t0 = time.monotonic()
         self.sync.timer = SyncTimer()
         steps, train_loss = self._train_interval(self.sync.link.settings)  # a rejoin may change them
@@ -324,6 +443,23 @@ class SiteTrainer:
         sync_s = time.monotonic() - t0
         evaluated = self.evaluation.due(last=self.progress.syncs == self.cfg.train.max_syncs)
         val_loss = self.evaluation.run(self.sync.version) if evaluated else math.nan  # NaN: not evaluated
+        self._record_sync(steps, train_loss, synced, train_s, sync_s, val_loss, evaluated)
+        self.ckpt.save(background=self.cfg.train.background_checkpoint)  # written while the next interval trains
+        self.checkpointed()
+
+    def _record_sync(
+        self,
+        steps: int,
+        train_loss: float,
+        synced: Synced,
+        train_s: float,
+        sync_s: float,
+        val_loss: float,
+        evaluated: bool,
+    ) -> None:
+        """One sync's metrics record and log line (`evaluated`: the global model's `val_loss` was measured)."""
+        rec = self.sync.rec
+        assert rec is not None
         lr = self.runtime.group.lr
         stepper = self.runtime.group.stepper
         goodput = self.goodput.value()
@@ -349,8 +485,6 @@ class SiteTrainer:
             }
         )
         self._log_sync(steps, train_loss, val_loss, synced.sent, train_s, sync_s, goodput)
-        self.ckpt.save(background=self.cfg.train.background_checkpoint)  # written while the next interval trains
-        self.checkpointed()
 
     def _log_sync(
         self, steps: int, loss: float, val_loss: float, sent: int, train_s: float, sync_s: float, goodput: float

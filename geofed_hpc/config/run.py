@@ -83,6 +83,12 @@ class RunConfig:
                 "train.warmup_steps",
                 "paradigm=zo takes its own steps of paradigm.zo_lr, without AdamW: set train.warmup_steps=0",
             )
+        check(
+            not self.train.overlap or self.paradigm.name not in ("zo", *SPLIT_PARADIGMS),
+            "train.overlap",
+            f"paradigm={self.paradigm.name} ties each round to the version it starts from, so the next interval cannot "
+            "train while a push is out: set train.overlap=false",
+        )
         if self.paradigm.name in SPLIT_PARADIGMS:
             check(
                 self.model.arch != "hf",
