@@ -1,10 +1,13 @@
 """Egress benchmark: a site's sync (push a delta, pull the update it made) over the emulated far link, dialled
-directly, through an HTTP CONNECT proxy (tinyproxy) and through `geofed-hpc relay` (root; CUBIC).
+directly, through an HTTP CONNECT proxy (tinyproxy), through `geofed-hpc relay` and through an ssh tunnel to a real
+sshd (site.tunnel's `ssh -N -L`) (root; CUBIC).
 
-The proxy and the relay run in the site's namespace, on the site's side of the far link, as they do on a login node:
-what is measured is the cost of the extra hop and of the CONNECT, against `direct` measured in the same run, paths
-interleaved round by round so that drift of the machine falls on all of them alike. A real `ps up` over TLS serves a
-model of --params parameters; each sync is an int8 push of a delta and a pull of the update (real encoded bytes).
+The proxy, the relay and the sshd run in the site's namespace, on the site's side of the far link, as they do on a
+login node: what is measured is the cost of the extra hop (and of the CONNECT, or of ssh's encryption), against
+`direct` measured in the same run, paths interleaved round by round so that drift of the machine falls on all of them
+alike. A real `ps up` over TLS serves a model of --params parameters; each sync is an int8 push of a delta and a pull
+of the update (real encoded bytes). The `spool` row: the site's calls as files in a folder that `geofed-hpc relay
+--spool`, in the site's namespace too, moves to the PS; its target is 2x direct plus --spool-poll (spool_target_s).
 """
 
 from __future__ import annotations
@@ -22,29 +25,39 @@ from pathlib import Path
 
 from geofed_hpc.ps.tokens import TokenFile, tokens_path
 from geofed_hpc.testing.proxy import TinyProxy, tinyproxy_binary
+from geofed_hpc.testing.sshd import Sshd, sshd_unavailable
 from geofed_hpc.testing.wan import FAR, Wan, unavailable_reason
 
-PATHS = ("direct", "proxy", "relay")
-PS_PORT, PROXY_PORT, RELAY_PORT = 50051, 3128, 50052
+PATHS = ("direct", "proxy", "relay", "tunnel", "spool")
+PS_PORT, PROXY_PORT, RELAY_PORT, SSH_PORT = 50051, 3128, 50052, 2222
 CLI = [sys.executable, "-m", "geofed_hpc.cli"]
 REPO = Path(__file__).resolve().parents[1]
 # One site's syncs through one path: connect, join, (seed the model once), then per sync: push, pull; prints JSON.
 SITE = """
-import json, sys, time, uuid
+import json, os, sys, time, uuid
 from datetime import timedelta
 import numpy as np
 from geofed_hpc import codec
 from geofed_hpc.config import CodecConfig, PSConfig
 from geofed_hpc.rpc import messages as m
+from geofed_hpc.egress.tunnel import SshTunnel
 from geofed_hpc.rpc.client import PSClient
+from geofed_hpc.egress.spool import SpoolClient
 
 address, ca, token, site, tls_name, params, syncs = sys.argv[1:8]
+tunnel = None
+if len(sys.argv) > 8:  # through an ssh tunnel (site.tunnel): opened before the clock starts, as a job opens it
+    host, port = address.rsplit(":", 1)
+    tunnel = SshTunnel(sys.argv[8], host, int(port), sys.argv[9], sys.argv[10]).start()
+    address = tunnel.address
 shape = (int(params) // 1024, 1024)
 int8, fp32 = CodecConfig(name="int8"), CodecConfig(name="fp32")
 cfg = PSConfig(insecure=False, ca_file=ca, tls_name=tls_name, rpc_timeout="300s", retry_budget="60s")
 rng = np.random.default_rng(0)
 times = []
-with PSClient(cfg, address) as client:
+poll = timedelta(seconds=float(os.environ.get("BENCH_SPOOL_POLL", "0.2")))
+spooled = address.startswith("spool:")  # files in that folder, moved by `relay --spool`
+with SpoolClient(cfg, address[6:], poll) if spooled else PSClient(cfg, address) as client:
     client.connect(timedelta(seconds=60))
     session = client.join(m.JoinRequest(site, token)).session_id
     version = client.heartbeat(m.HeartbeatRequest(session)).version
@@ -60,6 +73,8 @@ with PSClient(cfg, address) as client:
         got, _ = client.pull_model(session, min_version=reply.version, have_version=version)
         times.append(time.perf_counter() - started)
         version = got.version
+if tunnel is not None:
+    tunnel.stop()
 print(json.dumps({"times": times, "bytes": len(delta)}))
 """
 
@@ -67,8 +82,8 @@ print(json.dumps({"times": times, "bytes": len(delta)}))
 class Lab:
     """The far link, a `ps up` over TLS in the PS's namespace, and the paths a site in the other namespace takes."""
 
-    def __init__(self, wan: Wan, work: Path, params: int) -> None:
-        self.wan, self.work, self.params = wan, work, params
+    def __init__(self, wan: Wan, work: Path, params: int, spool_poll: float = 0.2) -> None:
+        self.wan, self.work, self.params, self.spool_poll = wan, work, params, spool_poll
         self.ps_ip = wan.ps_ip("far")
         self.pki, state = work / "pki", work / "state"
         run([*CLI, "ps", "init", f"ps.ca_file={self.pki}/ca.crt", f"ps.cert_file={self.pki}/server.crt",
@@ -84,8 +99,14 @@ class Lab:
         to = f"{self.ps_ip}:{PS_PORT}"
         wan.popen(wan.site_ns("far"), [*CLI, "relay", "--to", to, "--listen", f"127.0.0.1:{RELAY_PORT}"], relay_log)
         wait_line(relay_log, "relay on")
+        spool_log = work / "spool-relay.log"  # the spool's relay, on the login node's side of the far link too
+        spool = [*CLI, "relay", "--spool", str(work / "spool"), "--to", to, "--poll", f"{spool_poll}s",
+                 "ps.insecure=false", f"ps.ca_file={self.pki}/ca.crt"]  # fmt: skip
+        wan.popen(wan.site_ns("far"), spool, spool_log)
+        wait_line(spool_log, "relay on spool")
         self.proxy = TinyProxy(work / "proxy", PROXY_PORT, allow=(self.ps_ip,), ports=(PS_PORT,),
                                netns=wan.site_ns("far")).start()  # fmt: skip
+        self.sshd = Sshd(work / "sshd", SSH_PORT, netns=wan.site_ns("far")).start()
         self.sites = 0
 
     def syncs(self, path: str, n: int) -> tuple[list[float], int, int]:
@@ -95,11 +116,16 @@ class Lab:
             env = {"grpc_proxy": self.proxy.url}
         elif path == "relay":
             address, tls_name = f"127.0.0.1:{RELAY_PORT}", self.ps_ip
+        elif path == "spool":
+            address, env = f"spool:{self.work / 'spool'}", {"BENCH_SPOOL_POLL": str(self.spool_poll)}
+        tunnel = [self.sshd.target, str(self.sshd.client_key), str(self.sshd.known_hosts)] if path == "tunnel" else []
+        if tunnel:
+            tls_name = self.ps_ip
         self.sites += 1
         before = self.wan.counters("far")
         ca, name = str(self.pki / "ca.crt"), f"bench-{self.sites}"
         argv = ["ip", "netns", "exec", self.wan.site_ns("far"), sys.executable, "-c", SITE, address, ca, self.token,
-                name, tls_name, str(self.params), str(n)]  # fmt: skip
+                name, tls_name, str(self.params), str(n), *tunnel]  # fmt: skip
         out = json.loads(run(argv, env=env).strip().splitlines()[-1])
         after = self.wan.counters("far")
         wire = sum(after[d]["bytes"] - before[d]["bytes"] for d in ("up", "down"))
@@ -128,8 +154,10 @@ def main() -> None:
     parser.add_argument("--syncs", type=int, default=3, help="syncs per path in each round")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of every path, interleaved")
     parser.add_argument("--cc", default="cubic", help="TCP congestion control in every namespace")
+    parser.add_argument("--spool-poll", type=float, default=0.2, help="spool: seconds between looks, site and relay")
     args = parser.parse_args()
     reason = unavailable_reason() or ("" if tinyproxy_binary() else "tinyproxy is not installed (`make install`)")
+    reason = reason or sshd_unavailable()
     if reason:
         sys.exit(f"bench/egress.py: {reason}")
     started = time.time()
@@ -138,7 +166,7 @@ def main() -> None:
     payload = 0
     with tempfile.TemporaryDirectory(prefix="geofed-egress-bench-") as tmp:
         with Wan({"far": FAR}, Path(tmp) / "wan", congestion_control=args.cc) as wan:
-            lab = Lab(wan, Path(tmp), args.params)
+            lab = Lab(wan, Path(tmp), args.params, args.spool_poll)
             try:
                 for r in range(args.rounds):
                     for path in PATHS if r % 2 == 0 else reversed(PATHS):
@@ -148,6 +176,7 @@ def main() -> None:
                         print(f"round {r + 1}/{args.rounds} {path}: {statistics.median(seconds):.2f}s a sync")
             finally:
                 lab.proxy.stop()
+                lab.sshd.stop()
     direct = statistics.median(times["direct"])
     rows = [
         {
@@ -166,6 +195,8 @@ def main() -> None:
         "codec": "int8",
         "push_payload_bytes": payload,
         "syncs_per_path": args.syncs * args.rounds,
+        "spool_poll_s": args.spool_poll,
+        "spool_target_s": 2 * direct + args.spool_poll,  # the issue's target: within 2x of direct plus the poll
         "seconds": time.time() - started,
         "rows": rows,
     }

@@ -63,11 +63,13 @@ COMMANDS = {
     "prompt with a trained model (greedy at temperature 0)",
     "site new": "site new NAME: write your own site file NAME.yaml (from the template, or a copy of the shipped NAME) "
     "into ~/.config/geofed-hpc/site/ (or --config-dir DIR/site/)",
-    "site check": "site check site=NAME ps.address=HOST:PORT: the launch preflight alone (model, data, checkpoints, "
-    "the PS and its TLS, Slurm's partition and account), one line per check",
+    "site check": "site check site=NAME ps.address=HOST:PORT: each path of site.egress tried from a compute node (a "
+    "short job; saved for launch), then the launch preflight (model, data, checkpoints, the PS and its TLS, Slurm's "
+    "partition and account), one line per check",
     "relay": "relay --to PS_HOST:PORT [--listen HOST:PORT]: on a node both the compute nodes and the PS reach, forward "
     "the sites' connections to that PS only (TLS end to end); sites set ps.address to the relay and ps.tls_name "
-    "to the PS's name",
+    "to the PS's name; or `relay --spool DIR --to PS_HOST:PORT [--once]`: answer the request files of sites with "
+    "site.egress=[spool] site.spool=DIR through that PS",
 }
 __all__ = ["compose_config", "conf_dir", "config_groups", "main"]
 # Words users type for a command of another name.
@@ -238,6 +240,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", metavar="HOST:PORT", default="", help="relay: where sites dial (0.0.0.0:the PS's port)")
     p.add_argument("--max-connections", type=int, default=256, help="relay: connections at once (256)")
     p.add_argument("--idle", metavar="DURATION", default="10m", help="relay: close a connection idle this long (10m)")
+    p.add_argument("--spool", metavar="DIR", default="", help="relay: serve the sites' request files in DIR instead")
+    p.add_argument("--poll", metavar="DURATION", default="200ms", help="relay --spool: look for requests this often")
+    p.add_argument("--once", action="store_true", help="relay --spool: exit after 10 looks find nothing (cron)")
     p.add_argument("-h", "--help", action="store_true")
     p.add_argument("-q", "--quiet", action="store_true")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -390,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         OPTIONS.max_new_tokens, OPTIONS.temperature, OPTIONS.seed = args.max_new_tokens, args.temperature, args.seed
         OPTIONS.relay_to, OPTIONS.relay_listen = args.to, args.listen
         OPTIONS.relay_max_connections, OPTIONS.relay_idle = args.max_connections, args.idle
+        OPTIONS.relay_spool, OPTIONS.relay_poll, OPTIONS.relay_once = args.spool, args.poll, args.once
         if command == "launch" and len(_site_list(overrides)) > 1:
             return _launch_each(_site_list(overrides), overrides, args, script_args)
         script = next((o.split("=", 1)[1] for o in overrides if o.startswith("script=")), None)

@@ -145,7 +145,7 @@ def test_a_key_the_chosen_option_does_not_list_can_still_be_set() -> None:
 def test_sections_built_directly_raise_the_same_errors() -> None:
     with pytest.raises(ConfigError, match="^ps.aggregation: must be one of sync, async, buffered; got 'x'$"):
         PSConfig(aggregation="x")
-    valid = "activation_checkpointing, background_checkpoint, batch_size, compile"
+    valid = "activation_checkpointing, background_checkpoint, batch_size, checkpoint_mirror, compile"
     with pytest.raises(ConfigError, match=f"^unknown key train.velocity; valid keys in train: {valid}"):
         TrainConfig(velocity=2)  # type: ignore[call-arg]
     with pytest.raises(ConfigError, match="^site.setup: expected a string, got None$"):
@@ -159,6 +159,7 @@ LIST_FIELDS = [
     ("codec.adaptive_codecs", "int8"),
     ("paradigm.targets", "attn.qkv"),
     ("ps.peers", "vm.example.org:50051"),
+    ("site.egress", "tunnel"),
 ]
 # What a list field needs beside it to make a valid config.
 BESIDE = {"ps.peers": ["ps.peer_rank=0", "ps.peers=[vm.example.org:50051,b.example.org:50051]"]}

@@ -4,6 +4,7 @@ do; a whole local federation with W&B offline asks the proxy for nothing but its
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -107,6 +108,7 @@ def test_an_offline_federation_asks_the_proxy_for_its_ps_and_nothing_else(
     env = {**os.environ, "https_proxy": proxy.url, "http_proxy": proxy.url, "WANDB_SILENT": "true"}
     env.pop("WANDB_MODE", None)
     args = ["launch", "site=local", "model=tiny", "site.num_sites=1", f"run_dir={run_dir}", "wandb_mode=offline"]
+    args += ["site.egress=[proxy]"]  # the PS is on this machine: [direct, proxy] would take direct
     args += ["train.max_syncs=1", "train.sync_interval=2s", "data.max_tokens=20000", "data.val_batches=1"]
     args += [f"data.cache_dir={tmp_path / 'cache'}"]
     done = subprocess.run(
@@ -119,6 +121,10 @@ def test_an_offline_federation_asks_the_proxy_for_its_ps_and_nothing_else(
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert list(run_dir.rglob("offline-run-*")), "W&B wrote no offline run"
+    took = [json.loads(f.read_text()) for f in run_dir.rglob("egress.json")]  # the path each site took, for status
+    assert [t["path"] for t in took] == ["proxy"], took
+    logged = "".join(f.read_text() for f in run_dir.rglob("*.metrics.jsonl"))
+    assert '"egress/path": "proxy"' in logged, logged[-2000:]  # the site's metrics (and W&B run) say it too
     targets = {target for _, target in proxy.requests()}
     assert targets, "the sites did not go through the proxy"
     assert {t.rsplit(":", 1)[0] for t in targets} == {"127.0.0.1"}, targets  # the PS, never W&B or a model hub

@@ -46,13 +46,13 @@ ALLOWED = {
     "config": {"errors"},
     "codec": set(),
     "models": set(),
-    "data": set(),
+    "data": {"ckpt"},  # corpora and shard folders in object storage (ckpt/objects.py)
     "paradigms": {"models"},  # split learning cuts the model families' modules (paradigms/split.py)
     "ckpt": set(),
     "metrics": set(),
     "rpc": set(),
-    "egress": set(),  # the relay forwards bytes: it knows no protocol
-    "client": {"ckpt", "codec", "data", "metrics", "models", "paradigms", "rpc"},
+    "egress": {"ckpt", "rpc"},  # the paths a site takes to its PS: the relay forwards bytes, the spool carries calls
+    "client": {"ckpt", "codec", "data", "egress", "metrics", "models", "paradigms", "rpc"},
     "ps": {"ckpt", "codec", "metrics", "paradigms", "rpc"},
     "launch": {"client", "metrics"},
     "commands": {"ckpt", "data", "egress", "launch", "metrics", "models", "paradigms", "ps", "rpc"},

@@ -174,6 +174,26 @@ PLANS: dict[str, list[Line]] = {
             "a MinIO server on the network; tests/test_object_store.py reaches moto's server the same way, through "
             "AWS_ENDPOINT_URL",
         ),
+        Line(
+            "geofed-hpc launch site=osc model=llama3_1b train.checkpoint_mirror=s3://my-lab-geofed/run1-ckpt",
+            NOT_HERE,
+            "real AWS and a GPU cluster; tests/test_object_store_site.py::test_a_purged_site_resumes_from_its_mirror_"
+            "bit_for_bit_reading_its_shards_from_the_bucket runs site jobs with train.checkpoint_mirror against moto",
+        ),
+        Line(
+            "geofed-hpc data prepare data.source='s3://my-lab-geofed/corpus/*.jsonl.zst' "
+            "data.shards_url=s3://my-lab-geofed/shards",
+            NOT_HERE,
+            "real AWS; tests/test_object_store_site.py::test_data_prepare_reads_a_corpus_from_the_bucket_and_sites_"
+            "read_its_shards_there runs this `data prepare` against moto's server",
+        ),
+        Line(
+            "geofed-hpc launch site=osc model=llama3_1b data.source=s3://my-lab-geofed/shards "
+            "train.checkpoint_mirror=s3://my-lab-geofed/run1-ckpt",
+            NOT_HERE,
+            "real AWS and a GPU cluster; tests/test_object_store_site.py runs site jobs with an s3:// data.source "
+            "(shards) and train.checkpoint_mirror against moto's server",
+        ),
     ],
     "From a corpus to a Hugging Face model": [
         Line("geofed-hpc data prepare data.source='corpus/*.jsonl.zst' site.num_sites=2 run_dir=runs/fed"),

@@ -35,6 +35,10 @@ from geofed_hpc.client.uplink import Uplink
 from geofed_hpc.config import RunConfig, to_dict
 from geofed_hpc.config.plain import plain_config
 from geofed_hpc.config.train import KEEP_LATEST
+from geofed_hpc.egress.paths import Route
+from geofed_hpc.egress.paths import announce as announce_path
+from geofed_hpc.egress.paths import choose as choose_path
+from geofed_hpc.egress.paths import record as record_path
 from geofed_hpc.errors import CheckpointError, ConfigError, GeofedError
 from geofed_hpc.faults import fault
 from geofed_hpc.log import logger, setup_logging
@@ -155,6 +159,7 @@ class Site:
         self._signal: int | None = None
         self._previous: dict[int, Any] = {}
         self._client: PSClient | None = None
+        self._route: Route | None = None
         self._rec: Recorder | None = None
         self._interval = Interval()
         self._since_base, self._loss_sum, self._tokens = 0, 0.0, 0
@@ -188,7 +193,10 @@ class Site:
                 wandb_mode=cfg.wandb_mode,
                 config=to_dict(cfg),
             )
-            self._client = PSClient(cfg.ps, self.ps_address)
+            self._route = choose_path(cfg, self.ps_address)  # site.egress: direct, proxy, relay, tunnel or spool
+            record_path(Path(cfg.run_dir), self.name, self._route)
+            self._client = self._route.connect()
+            announce_path(self._rec, self._route)
             link.client, self.sync.rec = self._client, self._rec
             self._client.keep_retrying = lambda: self._signal is None
             source = self._start(restored)
@@ -570,6 +578,9 @@ class Site:
         if self._client is not None:
             self._client.close()
             self._client = None
+        if self._route is not None:
+            self._route.close()
+            self._route = None
         if self._rec is not None:
             self._rec.close()
             self._rec = None

@@ -124,7 +124,13 @@ def _launch_slurm(cfg: RunConfig) -> int:
             raise error
         return 0
     _checked(found)
-    records = submit_site(cfg, cfg.ps.address)
+    relayed: list[Any] = []
+    if cfg.site.relay == "job":  # the relay first, on a partition with egress; the sites start once it runs
+        from geofed_hpc.commands.egress import start_relay_job
+
+        cfg, relay = start_relay_job(cfg, run_dir)
+        relayed.append(relay)
+    records = submit_site(cfg, cfg.ps.address) + relayed
     manifest = record_jobs(run_dir, cfg.federation, cfg.ps.address, cfg.site.name, to_dict(cfg), records)
     for r in records:
         print(f"submitted {r.site}: job {r.job_id}\n  stdout {r.stdout}\n  stderr {r.stderr}", flush=True)
@@ -148,6 +154,15 @@ def cmd_site_check(cfg: RunConfig) -> int:
     else:
         run_dir = Path(cfg.run_dir).expanduser().resolve()
         address = "" if cfg.site.embedded_ps else cfg.ps.dial_address()
+    if OPTIONS.ps_check and address:  # site.egress tried where the jobs run; the preflight reads the result
+        from geofed_hpc.commands.egress import check_paths
+        from geofed_hpc.errors import GeofedError
+
+        try:
+            for line in check_paths(cfg, run_dir, address):
+                print(line, flush=True)
+        except GeofedError as exc:  # the login node's checks below still tell what they can
+            print(f"warning  egress       could not probe the paths from a compute node: {exc}", flush=True)
     found = preflight(cfg, run_dir, address, probe=OPTIONS.ps_check)
     for f in found:
         print(f.line(), flush=True)
@@ -219,6 +234,11 @@ def cmd_status(cfg: RunConfig) -> int:
             print(jobs_table(jobs, states_of(jobs)))
         except LaunchError as exc:  # not on the cluster: the PS's view still helps
             print(f"site jobs {', '.join(jobs)}: state unknown: {exc}")
+        from geofed_hpc.egress.paths import recorded
+        from geofed_hpc.launch.executor import site_run_dir
+
+        for name, took in recorded(site_run_dir(cfg)).items():  # site.egress: the path each job took to the PS
+            print(f"{name}: reaches the parameter server by {took.get('path', '?')} ({took.get('detail', '')})")
         print()
     address = cfg.ps.address or (manifest.ps_address if manifest else "")
     if not address and not cfg.ps.port:

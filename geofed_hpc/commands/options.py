@@ -31,4 +31,8 @@ OPTIONS = argparse.Namespace(
     relay_listen="",
     relay_max_connections=256,
     relay_idle="10m",
+    # relay --spool: the shared folder it serves, how often it looks there, --once (drain, then exit: cron)
+    relay_spool="",
+    relay_poll="200ms",
+    relay_once=False,
 )

@@ -247,6 +247,21 @@ def _dial(cfg: RunConfig, address: str, host: str) -> Finding:
     return Finding("ok", "ps", f"{address} answers ({mode}; {token}; version {reply.version})")
 
 
+def check_egress(cfg: RunConfig, run_dir: Path, address: str) -> list[Finding]:
+    """site.egress against the last `site check` from a compute node (egress/check.py): an error naming the path to
+    use when none of site.egress worked there."""
+    from geofed_hpc.egress.check import load, verdict
+
+    level, line = verdict(cfg, address, load(run_dir))
+    found = [Finding(level, "egress", line)]
+    site = cfg.site
+    for path, given in (("relay", site.relay), ("tunnel", site.tunnel)):
+        if given and path not in site.egress:
+            text = f"site.{path} is set but site.egress=[{','.join(site.egress)}] does not try it: add {path} to it"
+            found.append(Finding("warning", "egress", text))
+    return found
+
+
 def _certificate_site(cfg: RunConfig) -> list[Finding]:
     """Under mutual TLS, the client certificate must be issued for this site (the PS binds a certificate to its
     site's jobs): an error naming both when it is not."""
@@ -306,7 +321,7 @@ def preflight(cfg: RunConfig, run_dir: Path, address: str, probe: bool = True) -
     else:
         found = check_model(cfg) + check_data(cfg) + check_checkpoints(cfg, run_dir)
     if not cfg.site.embedded_ps:
-        found += check_ps(cfg, address, probe)
+        found += check_ps(cfg, address, probe) + check_egress(cfg, run_dir, address)
     if cfg.site.executor == "slurm":
         found += check_slurm(cfg)
     if not cfg.script:

@@ -33,6 +33,20 @@ def _proxy(value: str) -> str:
     return value
 
 
+def _relay(value: str) -> str:
+    """HOST:PORT, `job`, or empty."""
+    if value and value != "job":
+        split_host_port(value)
+    return value
+
+
+def _tunnel(value: str) -> str:
+    """USER@HOST[:PORT], or empty."""
+    if value and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*@[A-Za-z0-9_.-]+(:\d{1,5})?", value):
+        raise ValueError(f"expected USER@LOGIN_HOST[:SSH_PORT], got {value!r}")
+    return value
+
+
 @section("site")
 class SiteConfig:
     """Where site jobs run: `local` processes through submitit, or a Slurm cluster (the fields below `token`)."""
@@ -91,6 +105,31 @@ class SiteConfig:
     """http://[USER:PASS@]host:port when compute nodes reach the internet only through it ("": none). The PS's
     connection tunnels through it with HTTP CONNECT, TLS end to end; many proxies allow CONNECT only to port 443,
     so run the PS on ps.port=443 for such a cluster."""
+    egress: Annotated[list[Literal["direct", "proxy", "relay", "tunnel", "spool"]], OneOrMany] = field(
+        default_factory=lambda: ["direct", "proxy"]
+    )
+    """How the job reaches the PS: the first of these paths that works, in this order (direct: dial ps.address;
+    proxy: through site.proxy; relay: through site.relay; tunnel: ssh -L through site.tunnel; spool: files on a
+    shared filesystem). `geofed-hpc site check` tries each from a compute node."""
+    relay: Annotated[str, AfterValidator(_relay)] = ""
+    """HOST:PORT of a `geofed-hpc relay` the compute nodes reach, or `job`: `launch` starts the relay as a Slurm
+    job on site.relay_partition (a partition with egress) first ("": none)."""
+    relay_partition: str = ""
+    """The partition whose nodes reach the PS, where `launch` runs the relay when site.relay=job."""
+    tunnel: Annotated[str, AfterValidator(_tunnel)] = ""
+    """USER@LOGIN_HOST[:SSH_PORT]: the job runs `ssh -N -L` there with the user's own keys (no passphrase, or an
+    agent) and dials the PS through it ("": none)."""
+    tunnel_identity: str = ""
+    """The private key ssh uses for site.tunnel ("": ssh's own defaults, ~/.ssh/id_*)."""
+    tunnel_known_hosts: str = ""
+    """The known_hosts file that holds the login node's host key ("": ~/.ssh/known_hosts)."""
+    spool: str = ""
+    """A folder the compute nodes and a node that reaches the PS both see (site.egress: spool): the job's calls go
+    there as files, moved to the PS and back by `geofed-hpc relay --spool SPOOL --to PS_HOST:PORT` ("": none)."""
+    spool_poll: Annotated[Duration, Field(ge=timedelta(milliseconds=10), le=timedelta(minutes=10))] = timedelta(
+        seconds=1
+    )
+    """With the spool: the longest wait between two looks for an answer (the first look comes after 5 ms)."""
     run_dir: str = ""
     """A filesystem every node shares; the run lives in <run_dir>/<federation> ("": the top-level run_dir)."""
     shared_fs: StrictBool = False
@@ -127,6 +166,10 @@ class SiteConfig:
                 f"is false but the job has {self.nodes * self.tasks_per_node} tasks (site.nodes x site.tasks_per_node):"
                 " only srun starts them all; set it true",
             )
+        check(bool(self.egress), "site.egress", "is empty: list the paths to the PS to try, e.g. [direct, proxy]")
+        check(len(set(self.egress)) == len(self.egress), "site.egress", f"names a path twice: {', '.join(self.egress)}")
+        if self.relay == "job":
+            check(bool(self.relay_partition), "site.relay_partition", "site.relay=job needs a partition with egress")
         if self.executor == "slurm":
             check(bool(self.partition), "site.partition", "a Slurm site needs a partition (`sinfo -s` lists them)")
             check(

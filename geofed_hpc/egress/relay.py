@@ -157,3 +157,41 @@ def _reason(exc: BaseException) -> str:
 def _close(writer: asyncio.StreamWriter) -> None:
     with contextlib.suppress(Exception):
         writer.close()
+
+
+RELAY_FILE = "relay.json"  # <run_dir>/relay.json: where the relay job of site.relay=job listens
+
+
+def relay_job(target: str, run_dir: str, max_connections: int = 256, idle_s: float = 600.0) -> int:
+    """The relay as a Slurm job (site.relay=job): listen on every address of this node on a free port, write where
+    into <run_dir>/relay.json (atomically; the sites read it), serve until the job is cancelled or ends."""
+    import json
+    import os
+    import socket
+    from pathlib import Path
+
+    from geofed_hpc.config.fields import split_host_port
+
+    relay = Relay(split_host_port(target), ("0.0.0.0", 0), max_connections, timedelta(seconds=idle_s))
+    folder = Path(run_dir)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        port = await relay.start()
+        where = _hostport(socket.gethostname(), port)
+        tmp = folder / f".{RELAY_FILE}.{os.getpid()}"
+        tmp.write_text(json.dumps({"listen": where, "to": relay.to, "job": os.environ.get("SLURM_JOB_ID", "")}))
+        os.replace(tmp, folder / RELAY_FILE)
+        print(f"relay on {where} -> parameter server {relay.to} (written to {folder / RELAY_FILE})", flush=True)
+        try:
+            await relay.serve_forever(stop)
+        finally:
+            with contextlib.suppress(OSError):
+                if json.loads((folder / RELAY_FILE).read_text()).get("listen") == where:
+                    (folder / RELAY_FILE).unlink()  # gone with the relay: sites wait for the next one
+
+    asyncio.run(main())
+    return 0

@@ -6,10 +6,11 @@ import contextlib
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import submitit
 from submitit.core.utils import FailedJobError
@@ -227,3 +228,36 @@ def cancel_jobs(job_ids: Sequence[str]) -> None:
         )
         if out.returncode != 0:
             raise LaunchError(f"scancel {' '.join(job_ids)} failed: {out.stderr.strip() or out.stdout.strip()}")
+
+
+def submit_helper(
+    cfg: RunConfig, name: str, fn: Callable[..., Any], *args: Any, minutes: int = 5, partition: str = ""
+) -> submitit.Job:
+    """A short one-task job (the site's account, setup lines and sbatch_extra; no GPU) that runs fn(*args) on
+    `partition` (the site's by default): `site check`'s probe from a compute node, the relay job of site.relay=job."""
+    require_slurm(cfg)
+    run_dir = site_run_dir(cfg)
+    private_folder(run_dir / "jobs")
+    params = sbatch_parameters(cfg, 0)
+    for key in ("gres", "gpus_per_node", "mem"):
+        params.pop(key, None)
+    params.update(
+        job_name=f"geofed-{cfg.federation}-{cfg.site.name}-{name}",
+        partition=partition or cfg.site.partition,
+        time=minutes,
+        nodes=1,
+        ntasks_per_node=1,
+        cpus_per_task=1,
+        additional_parameters=dict(cfg.site.sbatch_extra),
+    )
+    with submission_environment():
+        folder = job_folder(run_dir, name)
+        executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=0, python=python_command(cfg))
+        executor.update_parameters(**params)
+        try:
+            return executor.submit(fn, *args)
+        except (subprocess.CalledProcessError, FailedJobError) as exc:
+            detail = getattr(exc, "stderr", None) or getattr(exc, "output", None) or str(exc)
+            if isinstance(detail, bytes):
+                detail = detail.decode(errors="replace")
+            raise LaunchError(f"sbatch refused the {name} job: {str(detail).strip().splitlines()[-1]}") from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -42,8 +42,9 @@ class PSClient:
     one it dials has not answered for ps.failover_after (a call then meets a PS that does not know the session:
     AuthError, and the site joins it)."""
 
-    def __init__(self, cfg: PSConfig, address: str | None = None) -> None:
+    def __init__(self, cfg: PSConfig, address: str | None = None, options: Sequence[tuple[str, Any]] = ()) -> None:
         self.cfg = cfg
+        self.options = list(options)  # before the usual ones: gRPC takes the first of a repeated option (egress/paths)
         self.addresses = (address or cfg.address or cfg.dial_address()).split(",")
         self._calls: dict[str, Any] = {}
         self.last_pull_wait_s = 0.0
@@ -58,9 +59,10 @@ class PSClient:
         self._index = index
         self.address = self.addresses[index]
         if cfg.insecure:
-            self._channel = grpc.insecure_channel(self.address, options=client_options(cfg))
+            self._channel = grpc.insecure_channel(self.address, options=[*self.options, *client_options(cfg)])
         else:
-            self._channel = grpc.secure_channel(self.address, channel_credentials(cfg), options=client_options(cfg))
+            options = [*self.options, *client_options(cfg)]
+            self._channel = grpc.secure_channel(self.address, channel_credentials(cfg), options=options)
         for meth in serde.METHODS:
             kind = (
                 self._channel.stream_stream
