@@ -562,3 +562,30 @@ def test_a_ps_back_behind_the_sites_base_is_reseeded_by_it_and_gets_its_work_onc
     for n in range(1, 7):
         assert f"local-0: sync {n}: version {n}, " in log
     assert log.count("local-0: checkpoint ") >= 6
+
+
+def test_a_ps_that_dies_at_the_sites_first_pull_is_failed_over_and_the_next_one_joined(
+    tmp_path: Path, shards: Path
+) -> None:
+    """The site joins the first PS of its ps.address list, which dies (SIGKILL) as the site's first pull arrives (as
+    a peer of a group may, while its sites start); the site fails over to the second PS, which never saw its
+    session: it joins there, seeds it and trains to the end."""
+    a, b = free_port(), free_port()
+    cfg = site_cfg(tmp_path, shards, a, max_syncs=2)
+    cfg["ps"].update(retry_budget="60s", failover_after="2s")
+    cadence = ("train.sync_interval=60s", "train.max_local_steps=3")
+    with (
+        ps_process(tmp_path / "a", a, "ps.stream@1=kill", "async", *cadence) as first,
+        ps_process(tmp_path / "b", b, "", "async", *cadence),
+    ):
+        site = Site(cfg, tmp_path, f"127.0.0.1:{a},127.0.0.1:{b}")
+        try:
+            assert site.wait(timeout=300) == [0], site.output()
+        finally:
+            site.close()
+        assert first.wait(timeout=30) == -signal.SIGKILL  # it died at the pull, as planned
+        with PSClient(ps_config(), f"127.0.0.1:{b}") as client:
+            status = client.status()
+    assert status.version == 2 and {s.site: s.pushes for s in status.sites} == {"local-0": 2}
+    rejoined = [e for e in events(tmp_path / "run" / "sites" / "local-0") if e["event"] == "rejoin"]
+    assert len(rejoined) == 1 and "unknown session" in rejoined[0]["error"], rejoined

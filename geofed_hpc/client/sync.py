@@ -224,7 +224,7 @@ class SiteSync:
         """Continue an interrupted interval, or push its work and take the live model when that is fresher.
         Returns where the model came from: fresh, local (the checkpoint) or global (the PS)."""
         if restored is None:
-            self.pull(0, timedelta(0))
+            self._pull_live()
             self.safe.checkpointed()
             return "fresh"
         pending = restored.pending
@@ -237,11 +237,20 @@ class SiteSync:
         if pending:
             self._push_pending(restored.version, pending, progress)
         if not self._disk_is_current(restored):
-            self.pull(0, timedelta(0))
+            self._pull_live()
         if pending:
             self.safe.save()
         self.safe.checkpointed()
         return "local" if restored.version == self.replica.version else "global"
+
+    def _pull_live(self) -> None:
+        """Take the live model at (re)start. A PS that forgot the session we just joined (its peer in a group took
+        over from one that died meanwhile, or it restarted without its state) is joined again first, once."""
+        try:
+            self.pull(0, timedelta(0))
+        except AuthError as exc:
+            self.rejoin(exc)
+            self.pull(0, timedelta(0))
 
     def _push_pending(self, version: int, pending: dict[str, Any], progress: Progress) -> None:
         """The checkpoint's unpushed work is against an older version than the PS's: push it now."""
