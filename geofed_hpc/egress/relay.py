@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -120,8 +121,18 @@ class Relay:
             await asyncio.sleep(left)
 
 
-def run_relay(relay: Relay) -> int:
-    """Serve until SIGINT or SIGTERM; print where it listens first."""
+def run_relay(
+    relay: Relay, announce: Callable[[int], str] | None = None, gone: Callable[[], None] = lambda: None
+) -> int:
+    """Serve until SIGINT or SIGTERM. `announce(port)` (once listening) says where, printed first; `gone` runs
+    when it stops."""
+
+    def where(port: int) -> str:
+        return (
+            f"relay on {_hostport(relay.listen[0], port)} -> parameter server {relay.to} (TLS end to end; at most "
+            f"{relay.max_connections} connections, idle ones closed after {relay.idle.total_seconds():g}s); "
+            "Ctrl-C stops"
+        )
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -129,13 +140,11 @@ def run_relay(relay: Relay) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         port = await relay.start()
-        print(
-            f"relay on {_hostport(relay.listen[0], port)} -> parameter server {relay.to} (TLS end to end; at most "
-            f"{relay.max_connections} connections, idle ones closed after {relay.idle.total_seconds():g}s); "
-            "Ctrl-C stops",
-            flush=True,
-        )
-        await relay.serve_forever(stop)
+        print((announce or where)(port), flush=True)
+        try:
+            await relay.serve_forever(stop)
+        finally:
+            gone()
 
     asyncio.run(main())
     return 0
@@ -170,28 +179,23 @@ def relay_job(target: str, run_dir: str, max_connections: int = 256, idle_s: flo
     import socket
     from pathlib import Path
 
+    from geofed_hpc.ckpt.atomic import atomic_write_bytes
     from geofed_hpc.config.fields import split_host_port
 
     relay = Relay(split_host_port(target), ("0.0.0.0", 0), max_connections, timedelta(seconds=idle_s))
-    folder = Path(run_dir)
+    path = Path(run_dir) / RELAY_FILE
+    here = ""
 
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        port = await relay.start()
-        where = _hostport(socket.gethostname(), port)
-        tmp = folder / f".{RELAY_FILE}.{os.getpid()}"
-        tmp.write_text(json.dumps({"listen": where, "to": relay.to, "job": os.environ.get("SLURM_JOB_ID", "")}))
-        os.replace(tmp, folder / RELAY_FILE)
-        print(f"relay on {where} -> parameter server {relay.to} (written to {folder / RELAY_FILE})", flush=True)
-        try:
-            await relay.serve_forever(stop)
-        finally:
-            with contextlib.suppress(OSError):
-                if json.loads((folder / RELAY_FILE).read_text()).get("listen") == where:
-                    (folder / RELAY_FILE).unlink()  # gone with the relay: sites wait for the next one
+    def announce(port: int) -> str:
+        nonlocal here
+        here = _hostport(socket.gethostname(), port)
+        record = {"listen": here, "to": relay.to, "job": os.environ.get("SLURM_JOB_ID", "")}
+        atomic_write_bytes(path, json.dumps(record).encode())
+        return f"relay on {here} -> parameter server {relay.to} (written to {path})"
 
-    asyncio.run(main())
-    return 0
+    def gone() -> None:  # the sites wait for the next relay, unless another one wrote the file since
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(path.read_text()).get("listen") == here:
+                path.unlink()
+
+    return run_relay(relay, announce, gone)
