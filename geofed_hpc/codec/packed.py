@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from geofed_hpc.codec import schemes, sparse
-from geofed_hpc.codec.schemes import decode as decode_content
 
 # Codecs whose decoding rewrites the piece's content in place (the prediction modes are undone on the symbols):
 # a kept content is copied before each decode, so it can be read again.
@@ -50,7 +49,7 @@ class PackedTensor:
 
     def _decode(self, p: PackedPiece, out: np.ndarray) -> None:
         content = p.content.copy() if p.plan.codec in IN_PLACE else p.content
-        decode_content(content, p.plan, out, self.what, p.start)
+        schemes.decode(content, p.plan, out, self.what, p.start)
         if p.mean is not None:
             out += sparse.tile(p.mean, p.start, p.n)
         for f in self.factors:
