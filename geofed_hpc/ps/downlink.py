@@ -20,7 +20,7 @@ from geofed_hpc.config import CodecConfig
 from geofed_hpc.faults import fault
 from geofed_hpc.log import logger
 from geofed_hpc.ps.aggregate import Params
-from geofed_hpc.ps.pulls import Spilled
+from geofed_hpc.ps.pulls import Spilled, write_frames
 
 _NAME = re.compile(r"^update-(\d{9,})\.gfdc$")
 _PENDING = ".update-*.part"  # an update encoded but not (yet) kept: renamed into place by `store`
@@ -99,13 +99,8 @@ class Downlink:
         private_dirs(self.directory)
         path = self.directory / f".update-{version:09d}-{os.urandom(6).hex()}.part"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, PRIVATE_FILE)
-        size = 0
         try:
-            for frame in codec.encode_frames(targets, self.cfg):
-                view = memoryview(frame)
-                while view:
-                    view = view[os.write(fd, view) :]
-                size += len(frame)
+            size = write_frames(fd, codec.encode_frames(targets, self.cfg))
         except BaseException:
             os.close(fd)
             path.unlink(missing_ok=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,17 +94,24 @@ def write_model(params: Mapping[str, np.ndarray], version: int, path: Path | Non
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.unlink(path)
-        size = 0
-        for frame in frames:
-            sha.update(frame)
-            view = memoryview(frame)
-            while view:
-                view = view[os.write(fd, view) :]
-            size += len(frame)
+        size = write_frames(fd, frames, sha)
     except BaseException:
         os.close(fd)
         raise
     return ModelFile(version, Spilled(fd, size), size, sha.digest())
+
+
+def write_frames(fd: int, frames: Iterable[bytes], sha: hashlib._Hash | None = None) -> int:
+    """Write `frames` to `fd` whole, one after the other (hashed into `sha`, if given); the bytes written."""
+    size = 0
+    for frame in frames:
+        if sha is not None:
+            sha.update(frame)
+        view = memoryview(frame)
+        while view:
+            view = view[os.write(fd, view) :]
+        size += len(frame)
+    return size
 
 
 def payload_chunks(header: m.ModelHeader, payload: Payload, chunk_bytes: int) -> Iterator[m.Chunk]:
