@@ -20,7 +20,8 @@ import zstandard
 from geofed_hpc import faults
 from geofed_hpc.ckpt.mirror import CheckpointMirror, restore
 from geofed_hpc.ckpt.objects import open_store
-from geofed_hpc.cli import main
+from geofed_hpc.cli import compose_config, main
+from geofed_hpc.commands.preflight import check_data
 from geofed_hpc.config import DataConfig
 from geofed_hpc.data.prepare import prepare_shards
 from geofed_hpc.data.remote import publish_shards
@@ -190,6 +191,16 @@ def test_data_prepare_reads_a_corpus_from_the_bucket_and_sites_read_its_shards_t
     raw = site_tokens(DataConfig(source=f"{url}/corpus/*.jsonl.zst", tokenizer="gpt2", cache_dir=str(tmp_path / "c")),
                       50304, 0, 1)  # fmt: skip
     assert len(raw[0]) + len(raw[1]) == sum(s.tokens for s in want.train) + want.val.tokens  # type: ignore[union-attr]
+
+    # launch's preflight tells the two apart, and names a bucket it cannot read
+    def preflight(source: str) -> tuple[str, str]:
+        (found,) = check_data(compose_config([f"data.source={source}"])[0])
+        return found.level, found.message
+
+    assert preflight(f"{url}/shards") == ("ok", f"{url}/shards: each site job fetches its own shards (SHA-256 checked)")
+    assert preflight(f"{url}/corpus/*.jsonl.zst")[1].endswith("each site job downloads and tokenizes its part")
+    level, message = preflight("s3://no-such-bucket-49/shards")
+    assert level == "error" and "the bucket no-such-bucket-49 does not exist" in message, message
 
     # bad input: one line naming the URL and what to do, nothing written
     capsys.readouterr()

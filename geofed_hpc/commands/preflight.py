@@ -87,12 +87,26 @@ def _hf_start(cfg: RunConfig) -> str:
     return f"is a {kind} from {model.path}, starting from {folder} ({count})"
 
 
+def _remote_data(source: str) -> Finding:
+    """data.source in object storage: a prepared shard folder (its index.json there) or a raw corpus."""
+    from geofed_hpc.data.remote import is_remote_shard_dir
+
+    try:
+        if is_remote_shard_dir(source):
+            return Finding("ok", "data", f"{source}: each site job fetches its own shards (SHA-256 checked)")
+    except ConfigError as exc:
+        return Finding("error", "data", str(exc))
+    return Finding("ok", "data", f"{source}: each site job downloads and tokenizes its part")
+
+
 def check_data(cfg: RunConfig) -> list[Finding]:
     """A prepared data.source against the sites: enough shards for site.shards, the run's tokenizer, the vocabulary."""
     from geofed_hpc.data.shards import check_tokenizer, is_shard_dir, read_index
     from geofed_hpc.data.tokenizer import run_tokenizer
 
     source, site = cfg.data.source, cfg.site
+    if source.startswith("s3://"):
+        return [_remote_data(source)]
     if not is_shard_dir(source):
         return [
             Finding("ok", "data", f"{source}: each site job tokenizes its part (or `geofed-hpc data prepare` first)")
