@@ -163,12 +163,14 @@ class SiteCheckpoints:
         self.mirror: CheckpointMirror | None = None  # train.checkpoint_mirror: each checkpoint copied there
         if cfg.train.checkpoint_mirror:
             self.mirror = CheckpointMirror(cfg.train.checkpoint_mirror, parts.replica.name, directory)
-            if self.store.latest_step() is None:  # scratch purged (or a first start): the mirror's newest, if any
-                restored = restore(self.mirror, directory, PUSH_RECORD)
-                if restored and restored[1] and parts.group.rank == 0:  # its shards, kept by the next settle
-                    self.index.add(restored[0].name, restored[1])
-            else:
-                self.mirror.check()
+            if parts.group.rank == 0:  # it restores into the folder every rank reads; the others wait for it
+                if self.store.latest_step() is None:  # scratch purged (or a first start): the mirror's newest
+                    restored = restore(self.mirror, directory, PUSH_RECORD)
+                    if restored and restored[1]:  # its shards, kept by the next settle
+                        self.index.add(restored[0].name, restored[1])
+                else:
+                    self.mirror.check()
+            parts.group.barrier()
 
     def _mirrored(self, path: Path, shards: dict[str, Any] | None) -> Path:
         """Hand a checkpoint now complete on disk to the mirror (rank 0's; it uploads in the background)."""

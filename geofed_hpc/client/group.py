@@ -99,6 +99,11 @@ class SiteGroup:
             if cmd == Cmd.STOP:  # the last collective of this rank: let gloo free it before the exit
                 wait_released(packet, before)
 
+    def barrier(self) -> None:
+        """Every rank of a multi-rank site waits here for the others (at start: what rank 0 prepared is in place)."""
+        if self.multi:
+            dist.barrier()
+
     def _recv(self) -> tuple[Cmd, list[float]]:
         packet = torch.zeros(1 + _ARGS, dtype=torch.float64, device=self._comm)
         before = holders(packet)
