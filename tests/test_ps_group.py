@@ -222,7 +222,10 @@ def test_three_peers_apply_identical_updates_and_know_each_others_pushes(peer_co
             assert group is not None and group.failed is None
             wait_for(lambda: group.stats.versions == [0, 1, 2, 3], "every version compared", 10)
             assert group.stats.identical == group.stats.compared == 4
-            st = clients[2].status()  # what `geofed-hpc status` shows of the group
+            # what `geofed-hpc status` shows of the group, as peer 2's last sync point saw it (it may compare the
+            # last version a moment after peer 0)
+            wait_for(lambda: [p.version for p in clients[2].status().peers] == [3] * 3, "peer 2 to compare version 3")
+            st = clients[2].status()
             assert [p.member for p in st.peers] == [True] * 3 and [p.version for p in st.peers] == [3] * 3
             assert len({p.digest for p in st.peers}) == 1 and st.identical_versions == 4 and st.allreduce_bytes > 0
         finally:

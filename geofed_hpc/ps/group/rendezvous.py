@@ -8,10 +8,12 @@ import ipaddress
 import json
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from importlib import metadata
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
@@ -22,6 +24,8 @@ from geofed_hpc.log import logger, quote
 from geofed_hpc.ps.group.collectives import Group, PeerLost
 from geofed_hpc.rpc.channel import listening
 from geofed_hpc.rpc.listen import listen_socket, self_dial
+
+T = TypeVar("T")
 
 POLL = timedelta(milliseconds=50)
 NONCE = "gen0/nonce"  # the store's nonce, which every hello proves the shared secret over
@@ -110,7 +114,7 @@ def _wait_keys(store: dist.Store, keys: dict[int, str], timeout: timedelta, what
     deadline = time.monotonic() + timeout.total_seconds()
     missing = dict(keys)
     while missing:
-        missing = {r: k for r, k in missing.items() if not store.check([k])}
+        missing = {r: k for r, k in missing.items() if not _read(store, cfg, partial(store.check, [k]))}
         if not missing:
             return
         if time.monotonic() > deadline:
@@ -120,6 +124,19 @@ def _wait_keys(store: dist.Store, keys: dict[int, str], timeout: timedelta, what
                 "(ps.peer_timeout); is it started, with the same ps.peers, and reachable?"
             )
         time.sleep(POLL.total_seconds())
+
+
+def _read(store: dist.Store, cfg: PSConfig, call: Callable[[], T]) -> T:
+    """A call on the rendezvous store; UnavailableError when the peer serving it went away meanwhile (it refused
+    this group, or stopped: its log says why)."""
+    try:
+        return call()
+    except RuntimeError as exc:  # torch's DistNetworkError, DistStoreError
+        host, port = store_address(cfg, 0)
+        raise UnavailableError(
+            f"the PS group did not form: the rendezvous store at {show(host, port)} (peer 0, {cfg.peers[0]}) went "
+            f"away ({str(exc).splitlines()[0][:120]}): see why in peer 0's log, fix it and start every peer again"
+        ) from None
 
 
 def listen_host(cfg: PSConfig) -> str:
@@ -300,12 +317,17 @@ def meet(cfg: PSConfig, identity: dict[str, Any], store: dist.Store) -> None:
     if cfg.peer_rank == 0:
         store.set(NONCE, os.urandom(16).hex())
     _wait_keys(store, {0: NONCE}, cfg.peer_timeout, "open the rendezvous", cfg)
-    nonce = store.get(NONCE)
-    store.set(f"gen0/hello/{cfg.peer_rank}", hello(cfg, identity, nonce))
+    nonce = _read(store, cfg, lambda: store.get(NONCE))
+    _read(store, cfg, lambda: store.set(f"gen0/hello/{cfg.peer_rank}", hello(cfg, identity, nonce)))
     others = {r: f"gen0/hello/{r}" for r in range(len(cfg.peers)) if r != cfg.peer_rank}
     _wait_keys(store, others, cfg.peer_timeout, "arrive at the rendezvous", cfg)
-    for rank, key in others.items():
-        check_hello(cfg, identity, rank, store.get(key), nonce)
+    hellos = {rank: _read(store, cfg, partial(store.get, key)) for rank, key in others.items()}
+    _read(store, cfg, lambda: store.set(f"gen0/read/{cfg.peer_rank}", "1"))
+    if cfg.peer_rank == 0:  # it serves the store: every peer has read the hellos before it may refuse and leave
+        reads = {r: f"gen0/read/{r}" for r in others}
+        _wait_keys(store, reads, cfg.peer_timeout, "read the others' hellos", cfg)
+    for rank, raw in hellos.items():
+        check_hello(cfg, identity, rank, raw, nonce)
 
 
 def gloo_group(store: dist.Store, rank: int, size: int, generation: int, host: str, timeout: timedelta) -> Group:
