@@ -306,3 +306,36 @@ def test_a_ps_lost_between_an_overlapped_push_and_its_pull_is_ridden_out(tmp_pat
     assert meta["version"] == 3 and meta["global_model"]
     (mine,) = status.sites  # the empty PS saw every step since its re-seed once
     assert mine.tokens == (meta["sampler"]["draws"] - syncs[0]["sync/local_steps"]) * BATCH * MODEL.context
+
+
+@pytest.mark.slow
+def test_a_landing_reports_to_the_ps_beside_training_and_the_ps_gets_the_report(site: Any) -> None:
+    """train.overlap: the heartbeat that tells the PS the global model's validation loss and the site's goodput at a
+    landing goes out on its own thread. Held on the wire, it does not hold the training thread: telemetry returns,
+    and a landing meanwhile does not wait for it (its report is dropped). Released, the PS has the report; the next
+    landing's metrics show its round trip."""
+    trainer, ps, client = site
+    sync, observer = trainer.sync, ps.logic.core.observer
+    entered, held, real = threading.Event(), threading.Event(), client.heartbeat
+
+    def heartbeat(request: Any, **kwargs: Any) -> Any:
+        entered.set()
+        held.wait(120)
+        return real(request, **kwargs)
+
+    client.heartbeat = heartbeat  # type: ignore[method-assign]
+    assert sync.replica.exact and sync.version == 0
+    first = sync.telemetry(4.5, 100, 1.0, trainer.progress, 0.9, background=True)
+    assert entered.wait(60) and not held.is_set()  # on the wire and held, and telemetry came back
+    assert "net/rtt_ms" not in first  # no round trip known yet
+    second = sync.telemetry(4.25, 100, 1.0, trainer.progress, 0.9, background=True)  # the first is still out
+    assert "net/rtt_ms" not in second and observer.global_val_loss()[0] == -1  # nothing reached the PS yet
+    held.set()
+    sync.settle_report()
+    assert observer.global_val_loss() == (0, 4.5)  # the held report arrived; the one beside it was dropped
+    client.heartbeat = real  # type: ignore[method-assign]
+    sync.telemetry(4.0, 100, 1.0, trainer.progress, 0.9, background=True)
+    sync.settle_report()
+    assert observer.global_val_loss() == (0, 4.0)
+    assert sync.telemetry(3.5, 100, 1.0, trainer.progress, 0.9, background=True)["net/rtt_ms"] > 0  # the last one's
+    sync.settle_report()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,6 +26,8 @@ from geofed_hpc.paradigms.site import SiteParadigm
 
 # The pull after a push waits for the version it makes: up to the round's timeout and this much more.
 EXTRA_PULL_WAIT = timedelta(seconds=30)
+# A site that leaves waits this long at most for the report of its last overlapped landing.
+REPORT_WAIT = timedelta(seconds=30)
 
 
 class SafePoints(Protocol):
@@ -72,6 +75,8 @@ class SiteSync:
         self.timer = SyncTimer()
         self.rtt = RttMeter()
         self.rec: Recorder | None = None
+        self._reporting: threading.Thread | None = None  # an overlapped landing's report, on its own thread
+        self._reported_rtt_s: float | None = None  # its round trip, shown with the next sync's metrics
 
     @property
     def version(self) -> int:
@@ -198,14 +203,24 @@ class SiteSync:
         self.safe.checkpointed()
 
     def telemetry(
-        self, val_loss: float, sent: int, sync_s: float, progress: Progress, goodput: float = 0.0
+        self,
+        val_loss: float,
+        sent: int,
+        sync_s: float,
+        progress: Progress,
+        goodput: float = 0.0,
+        background: bool = False,
     ) -> dict[str, float | int]:
         """This sync's transfer, link, memory and contribution metrics; one Heartbeat measures the RTT and tells
         the PS the validation loss of the global model we just evaluated (its ps/global_val_loss) and the site's
-        goodput (its site/goodput on Prometheus)."""
+        goodput (its site/goodput on Prometheus). `background` (an overlapped landing, training goes on): that
+        Heartbeat goes out on its own thread and the RTT shown is the previous one's."""
         reported = val_loss if val_loss > 0 and self.replica.exact else 0.0  # only the global model's loss
         goodput = goodput if math.isfinite(goodput) else 0.0
-        rtt_s = self.link.report(self.replica.version, reported, "heartbeat after the sync", goodput)
+        if background:
+            rtt_s = self._report_beside(reported, goodput)
+        else:
+            rtt_s = self.link.report(self.replica.version, reported, "heartbeat after the sync", goodput)
         return {
             **self.timer.metrics(sent, sync_s),
             **(self.rtt.add(rtt_s) if rtt_s is not None else {}),
@@ -214,6 +229,28 @@ class SiteSync:
             **gpu_metrics(),
             **(self.split.metrics() if self.split is not None else {}),
         }
+
+    def _report_beside(self, val_loss: float, goodput: float) -> float | None:
+        """Send the per-sync report on its own thread; the training thread never waits for its round trip (one
+        still out, its PS unreachable, say: this one is dropped, the next carries newer figures). The round-trip
+        seconds of the previous report, None when none came back since."""
+        if self._reporting is not None and self._reporting.is_alive():
+            return None
+        rtt_s, self._reported_rtt_s = self._reported_rtt_s, None
+        version = self.replica.version
+
+        def run() -> None:
+            self._reported_rtt_s = self.link.report(version, val_loss, "heartbeat after the sync", goodput)
+
+        self._reporting = threading.Thread(target=run, name=f"{self.name}-report", daemon=True)
+        self._reporting.start()
+        return rtt_s
+
+    def settle_report(self, wait: timedelta = REPORT_WAIT) -> None:
+        """Wait (at most `wait`) for a report still out, before the site tells the PS it leaves."""
+        if self._reporting is not None:
+            self._reporting.join(wait.total_seconds())
+            self._reporting = None
 
     def report_first(self, val_loss: float) -> None:
         """The PS's ps/global_val_loss starts at the version the site first evaluated."""

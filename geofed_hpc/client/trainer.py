@@ -82,7 +82,8 @@ class SiteTrainer:
             raise ConfigError(f"train.overlap: paradigm={cfg.paradigm.name} cannot overlap its syncs (config/run.py)")
         parts = SiteParts(group, self.runtime.sampler, paradigm, replica, uplink, link, self.progress, self.evaluation)
         self.ckpt = SiteCheckpoints(cfg, directory / "ckpt", parts, self.events.job_id)
-        self.throttle = Throttle(cfg.train.slowdown)  # train.slowdown: an emulated slower site
+        # train.slowdown, train.step_time: an emulated slower site
+        self.throttle = Throttle(cfg.train.slowdown, fixed=cfg.train.step_time.total_seconds())
         self.ps_address = ps_address
 
     @property
@@ -216,6 +217,7 @@ class SiteTrainer:
                 break
             if not out and link.interval_ends(steps, self.sync.version, deferred):
                 break
+        self.throttle.settle()  # train.slowdown: the emulated time per step is fixed from the first interval on
         steps, loss_sum = self._wait_flight(steps, loss_sum)  # at most one push in flight: wait for the one out
         self.lifecycle.enter(Phase.BUSY)
         return steps, loss_sum / steps
@@ -272,6 +274,7 @@ class SiteTrainer:
                 self._sync_once(rec)
             self.ckpt.flush()  # the last checkpoint is on disk before the PS hears we leave
             self.sync.link.leave(self.sync.version)
+            self.sync.settle_report()  # ... and the last sync's report (train.overlap sends it beside training)
         self.events("goodput", **self.goodput.summary(), tokens=self.progress.tokens_seen)
         final = self.evaluation.val_loss  # the last evaluation's
         syncs, version = self.progress.syncs, self.sync.version
@@ -465,7 +468,8 @@ class SiteTrainer:
         goodput = self.goodput.value()
         rec.log(
             {
-                **self.sync.telemetry(val_loss, synced.sent, sync_s, self.progress, goodput),
+                # an overlapped landing's heartbeat goes out beside training, not on its path
+                **self.sync.telemetry(val_loss, synced.sent, sync_s, self.progress, goodput, self.overlap is not None),
                 "job/preemptions": self.events.preemptions,
                 "sync/index": self.progress.syncs,
                 "sync/version": self.sync.version,

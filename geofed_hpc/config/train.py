@@ -166,8 +166,15 @@ class TrainConfig:
     flight: an interval that ends first waits for it. Costs two more copies of the exchanged model in host memory
     (8 bytes a parameter) and a global update that lands up to one interval late. Not for zo, fsl_sage or split."""
     slowdown: Annotated[StrictFloat, Field(ge=1, le=1000)] = 1.0
-    """Emulated slower hardware: after each optimizer step, sleep (slowdown - 1) x that step's compute time
-    (1: full speed, 4: a quarter of this machine's speed)."""
+    """Emulated slower hardware: after each optimizer step, sleep a fixed emulated time, (slowdown - 1) x the median
+    compute time of the site's first steps (its first interval, before its first push; measured once, at most 50
+    steps; until then each step sleeps (slowdown - 1) x its own compute). A step is its real compute, measured as it
+    runs, plus that fixed time: one slowed by other work on shared cores (a sync sender's threads) counts as slower,
+    but the emulated accelerator time is not multiplied by host contention (1: full speed, 4: about a quarter of this
+    machine's speed)."""
+    step_time: Duration = timedelta(0)
+    """Emulated accelerator time: a fixed sleep after each optimizer step, on top of train.slowdown's (0s: none).
+    The same on every site and every run, whatever the load when it starts (benchmarks compare runs with it)."""
 
     def __post_init__(self) -> None:
         check(
