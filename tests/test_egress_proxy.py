@@ -4,8 +4,10 @@ do; a whole local federation with W&B offline asks the proxy for nothing but its
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,9 +19,12 @@ import pytest
 from geofed_hpc.config import RunConfig, SiteConfig
 from geofed_hpc.config.run import shareable
 from geofed_hpc.errors import UnavailableError
-from geofed_hpc.rpc.proxy import parse_proxy, proxy_for
+from geofed_hpc.launch.jobs import print_logs
+from geofed_hpc.launch.manifest import JobRecord
+from geofed_hpc.rpc.proxy import hide_passwords, parse_proxy, proxy_for
 from geofed_hpc.testing.proxy import TinyProxy, tinyproxy_binary
 from tests.dist_util import free_port
+from tests.test_launch_slurm import cli, login_env
 from tests.test_ps_edge import EdgePS, legit_push
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,7 +145,7 @@ def test_the_proxy_is_read_from_the_environment_as_grpc_reads_it() -> None:
         "u",
         "p@ss",
     )
-    assert chosen.shown == "http://u@proxy.example:3128"  # messages never carry the password
+    assert chosen.shown == "http://u:***@proxy.example:3128"  # messages never carry the password
     assert proxy_for("ps.internal", env) is None and proxy_for("internal", env) is None
     assert proxy_for("ps.example.org", {"no_grpc_proxy": "*", "grpc_proxy": "http://a:1"}) is None
     assert proxy_for("ps.example.org", {}) is None
@@ -155,3 +160,19 @@ def test_what_a_run_shares_with_wandb_carries_no_secret() -> None:
     with pytest.raises(Exception) as info:
         SiteConfig(proxy="http://osc:s3cret@proxy example:3128")
     assert "s3cret" not in str(info.value)
+
+
+def test_launch_and_logs_show_the_proxy_password_as_stars(tmp_path: Path) -> None:
+    proxy = "site.proxy=http://bob:s3cret@proxy.example.org:3128"
+    args = ["launch", "site=osc", "ps.address=vm.example.org:50051", proxy, "--dry-run", "--no-ps-check"]
+    result = cli(args, tmp_path, **login_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "s3cret" not in result.stdout + result.stderr
+    assert "export https_proxy=http://bob:***@proxy.example.org:3128 " in result.stdout  # the batch file it shows
+    quoted = "export https_proxy=" + shlex.quote("http://bob:it's$ecret@proxy.example.org:3128") + " grpc_proxy=x"
+    assert hide_passwords(quoted) == "export https_proxy='http://bob:***@proxy.example.org:3128' grpc_proxy=x"
+    log = tmp_path / "job.out"
+    log.write_text("egress: reaching the parameter server by proxy (http://bob:s3cret@proxy.example.org:3128)\n")
+    shown = io.StringIO()
+    print_logs({"osc-0": JobRecord("osc-0", "7", "osc", "slurm", str(log), str(tmp_path / "job.err"))}, out=shown)
+    assert "s3cret" not in shown.getvalue() and "(http://bob:***@proxy.example.org:3128)" in shown.getvalue()

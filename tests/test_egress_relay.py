@@ -26,6 +26,7 @@ from geofed_hpc.rpc.stream import digest, to_chunks
 from tests.conftest import small_params
 from tests.dist_util import free_port
 from tests.site_procs import wait_for
+from tests.test_launch_slurm import cli, login_env
 from tests.test_ps_edge import FP32, EdgePS, Held
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,3 +165,16 @@ def test_the_relay_bounds_its_connections_and_closes_idle_ones() -> None:
         return echoed, refused, ended
 
     assert asyncio.run(scenario()) == (b"ping", b"", b"")
+
+
+def test_a_dry_run_with_a_relay_job_says_it_submits_the_relay_first(tmp_path: Path) -> None:
+    args = ["launch", "site=osc", "ps.address=vm.example.org:50051", "site.egress=[relay]", "site.relay=job"]
+    result = cli([*args, "site.relay_partition=gpu", "--dry-run", "--no-ps-check"], tmp_path, **login_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    said = "# relay job (site.relay=job): submitted first, on partition gpu for "
+    assert said in out and "`geofed-hpc relay --to vm.example.org:50051`" in out, out
+    assert "the site jobs depend on it (--dependency=after:RELAY_JOB_ID)" in out, out
+    assert out.index(said) < out.index("# ---- osc-0")
+    batch = out.split("# ---- osc-0", 1)[1]
+    assert "#SBATCH --dependency=after:RELAY_JOB_ID" in batch, batch

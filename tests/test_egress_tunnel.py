@@ -5,7 +5,10 @@ pure parts (the ssh command line, the site.* fields, the order of site.egress)."
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -102,6 +105,47 @@ def test_the_tunnel_carries_bytes_and_its_ssh_ends_with_it(sshd: Sshd, echo: int
             conn.sendall(b"hello")
             assert conn.recv(100) == b"hello"
     assert not os.path.exists(f"/proc/{pid}") or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+# A site job's process that opens a tunnel and stays: prints the PID of its ssh.
+OPENER = """
+import sys, time
+from geofed_hpc.egress.tunnel import SshTunnel
+tunnel = SshTunnel(sys.argv[1], "127.0.0.1", int(sys.argv[2]), sys.argv[3], sys.argv[4]).start()
+print(tunnel.proc.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def gone(pid: int) -> bool:
+    try:
+        return "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return True
+
+
+@needs_sshd
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's prctl(PR_SET_PDEATHSIG)")
+def test_a_killed_job_takes_its_ssh_along(sshd: Sshd, echo: int) -> None:
+    argv = [sys.executable, "-c", OPENER, sshd.target, str(echo), str(sshd.client_key), str(sshd.known_hosts)]
+    job = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    ssh = 0
+    try:
+        assert job.stdout is not None
+        ssh = int(job.stdout.readline())
+        assert not gone(ssh)
+        os.kill(job.pid, signal.SIGKILL)  # as Slurm or the OOM killer ends a job: no atexit, no stop()
+        job.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while not gone(ssh) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gone(ssh), f"ssh (pid {ssh}) outlived the job that opened the tunnel"
+    finally:
+        if job.poll() is None:
+            os.kill(job.pid, signal.SIGKILL)
+            job.wait(timeout=30)
+        if ssh and not gone(ssh):
+            os.kill(ssh, signal.SIGKILL)
 
 
 @needs_sshd

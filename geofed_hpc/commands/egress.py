@@ -100,24 +100,46 @@ def check_paths(cfg: RunConfig, run_dir: Path, address: str) -> list[str]:
     return [*lines, f"egress   saved in {path} (from {result['node']}): `launch` uses it"]
 
 
+def _relay_minutes(cfg: RunConfig) -> int:
+    """The relay job's time limit: it outlives the site jobs' requeues."""
+    import math
+
+    return max(1, math.ceil(cfg.site.timeout.total_seconds() * (1 + cfg.site.max_requeues) / 60))
+
+
+def relay_job_plan(cfg: RunConfig, run_dir: Path, job_id: str = "RELAY_JOB_ID") -> tuple[list[str], RunConfig]:
+    """What site.relay=job submits before the site jobs (lines a dry run prints), and the config the sites are
+    submitted with: they depend on the relay job `job_id` (sbatch --dependency=after), so start once it runs (pure)."""
+    from dataclasses import replace
+
+    from geofed_hpc.egress.relay import RELAY_FILE
+
+    site, to = cfg.site, cfg.ps.address.split(",")[0]
+    lines = [
+        f"relay job (site.relay=job): submitted first, on partition {site.relay_partition} for "
+        f"{_relay_minutes(cfg)} min: `geofed-hpc relay --to {to}`, its address written to {run_dir / RELAY_FILE}",
+        f"  the site jobs depend on it (--dependency=after:{job_id}): they start once it runs, and dial the PS "
+        "through it",
+    ]
+    extra = {**site.sbatch_extra, "dependency": f"after:{job_id}"}
+    return lines, replace(cfg, site=replace(site, sbatch_extra=extra))
+
+
 def start_relay_job(cfg: RunConfig, run_dir: Path) -> tuple[RunConfig, Any]:
     """site.relay=job: submit the relay on site.relay_partition (a partition whose nodes reach the PS) before the site
     jobs; the config the sites are submitted with (they start only once the relay started: --dependency=after) and
     the relay's JobRecord (so that `status`, `logs` and `cancel` see it)."""
-    import math
-    from dataclasses import replace
-
     from geofed_hpc.egress.relay import RELAY_FILE, relay_job
     from geofed_hpc.launch.manifest import JobRecord
     from geofed_hpc.launch.slurm import submit_helper
 
     site = cfg.site
     (run_dir / RELAY_FILE).unlink(missing_ok=True)  # a relay of an earlier launch: gone, or about to be
-    minutes = max(1, math.ceil(site.timeout.total_seconds() * (1 + site.max_requeues) / 60))  # outlives requeues
     to = cfg.ps.address.split(",")[0]
-    job = submit_helper(cfg, "relay", relay_job, to, str(run_dir), minutes=minutes, partition=site.relay_partition)
+    job = submit_helper(
+        cfg, "relay", relay_job, to, str(run_dir), minutes=_relay_minutes(cfg), partition=site.relay_partition
+    )
     print(f"submitted the relay to {to} on partition {site.relay_partition}: job {job.job_id}", flush=True)
     record = JobRecord(f"{site.name}-relay", str(job.job_id), site.name, "slurm", str(job.paths.stdout),
                        str(job.paths.stderr))  # fmt: skip
-    extra = {**site.sbatch_extra, "dependency": f"after:{job.job_id}"}
-    return replace(cfg, site=replace(site, sbatch_extra=extra)), record
+    return relay_job_plan(cfg, run_dir, str(job.job_id))[1], record

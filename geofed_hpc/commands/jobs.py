@@ -63,7 +63,6 @@ def cmd_launch(cfg: RunConfig) -> int:
     _checked(preflight(cfg, run_dir, address, probe=False))  # the PS is probed below, by connecting
     from geofed_hpc.ckpt.objects import is_remote
     from geofed_hpc.ps.app import ParameterServer
-    from geofed_hpc.rpc.client import PSClient
 
     cfg = replace(cfg, run_dir=str(run_dir))
     ps = None
@@ -76,9 +75,13 @@ def cmd_launch(cfg: RunConfig) -> int:
         address = ps.address
         print(f"parameter server (embedded) on {address}, state in {state_dir}", flush=True)
     else:
-        with PSClient(cfg.ps, address) as probe:
+        from geofed_hpc.egress.paths import choose
+
+        # along site.egress, as the site jobs will dial it (a compute node may reach it only by proxy, relay, ...)
+        with choose(cfg, address) as route, route.connect() as probe:
             probe.connect()  # waits up to ps.connect_timeout for a PS that is starting
-        if OPTIONS.ps_check:
+            direct = route.path == "direct"
+        if OPTIONS.ps_check and direct:  # the TLS and token checks dial the PS directly
             from geofed_hpc.commands.preflight import dial_each
 
             _checked(dial_each(cfg, address))  # as each site will: TLS, CA, and site.token shown to the PS
@@ -113,12 +116,19 @@ def _launch_slurm(cfg: RunConfig) -> int:
         writable_dir(run_dir, "site.run_dir" if cfg.site.run_dir else "run_dir")
     found = preflight(cfg, run_dir, cfg.ps.address, probe=OPTIONS.ps_check)
     if OPTIONS.dry_run:
+        from geofed_hpc.rpc.proxy import hide_passwords
+
         print("\n".join(f"# {line}" for line in federation_summary(cfg, run_dir)))
+        if cfg.site.relay == "job":
+            from geofed_hpc.commands.egress import relay_job_plan
+
+            lines, cfg = relay_job_plan(cfg, run_dir)
+            print("\n".join(f"# {line}" for line in lines))
         print("# preflight (`geofed-hpc site check` runs it alone):")
         print("\n".join(f"#   {f.line()}" for f in found))
         for index, name in enumerate(site_names(cfg)):
             print(f"# ---- {name}: {job_folder(run_dir, name) / '%j_submission.sh'} (not submitted)")
-            print(sbatch_preview(cfg, index, run_dir))
+            print(hide_passwords(sbatch_preview(cfg, index, run_dir)))  # site.proxy's password: never on screen
         error = first_error(found)
         if error is not None:
             raise error
@@ -236,9 +246,11 @@ def cmd_status(cfg: RunConfig) -> int:
             print(f"site jobs {', '.join(jobs)}: state unknown: {exc}")
         from geofed_hpc.egress.paths import recorded
         from geofed_hpc.launch.executor import site_run_dir
+        from geofed_hpc.rpc.proxy import hide_passwords
 
         for name, took in recorded(site_run_dir(cfg)).items():  # site.egress: the path each job took to the PS
-            print(f"{name}: reaches the parameter server by {took.get('path', '?')} ({took.get('detail', '')})")
+            detail = hide_passwords(took.get("detail", ""))
+            print(f"{name}: reaches the parameter server by {took.get('path', '?')} ({detail})")
         print()
     address = cfg.ps.address or (manifest.ps_address if manifest else "")
     if not address and not cfg.ps.port:

@@ -1,16 +1,20 @@
-"""`site.tunnel`: the job's own `ssh -N -L` to a login node, with the user's keys, ended with the job by its PID."""
+"""`site.tunnel`: the job's own `ssh -N -L` to a login node, with the user's keys, ended with the job (PID, kernel)."""
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -20,6 +24,7 @@ from geofed_hpc.log import logger
 
 START_TIMEOUT = timedelta(seconds=20)
 STOP_TIMEOUT = timedelta(seconds=5)
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 SAID_MAX = 200  # characters of ssh's last line repeated in an error
 
 
@@ -78,6 +83,27 @@ def explain(said: str, target: str) -> str:
     return f"site.tunnel: ssh to {target} failed: {last}"
 
 
+def dies_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that has the kernel send the child SIGTERM when this process dies, however it dies (a job
+    SIGKILLed by Slurm or the OOM killer leaves no ssh behind): Linux's prctl(PR_SET_PDEATHSIG). None elsewhere, and
+    off the main thread (the signal follows the thread that started the child, and a worker thread may end first):
+    then `stop`, at exit too, ends ssh."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the line above: nobody would be told
+            os._exit(1)
+
+    return preexec
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -115,7 +141,9 @@ class SshTunnel:
         self.local_port = self.local_port or _free_port()
         argv = ssh_command(self.target, self.local_port, self.ps_host, self.ps_port, self.identity, self.known_hosts)
         with tempfile.TemporaryFile() as err:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, preexec_fn=dies_with_parent()
+            )
             atexit.register(self.stop)
             deadline = time.monotonic() + timeout.total_seconds()
             while not _answers(self.local_port):

@@ -13,6 +13,7 @@ from typing import TextIO
 
 from geofed_hpc.launch.manifest import JobRecord
 from geofed_hpc.launch.slurm import JobState, job_states
+from geofed_hpc.rpc.proxy import hide_passwords
 
 FOLLOW_POLL = timedelta(seconds=0.5)
 FOLLOW_STATE_EVERY = timedelta(seconds=5)
@@ -108,7 +109,7 @@ def print_logs(jobs: Mapping[str, JobRecord], lines: int = 40, out: TextIO = sys
     for label, path in log_paths(jobs):
         text = tail(path, lines)
         print(f"==> {label}: {path} <==", file=out)
-        print(text if text else "(empty so far)", file=out, flush=True)
+        print(hide_passwords(text) if text else "(empty so far)", file=out, flush=True)
 
 
 def follow_logs(
@@ -140,7 +141,7 @@ def follow_logs(
                     if label != last_label:
                         print(f"==> {label} <==", file=out)
                         last_label = label
-                    print(new, end="" if new.endswith("\n") else "\n", file=out, flush=True)
+                    print(hide_passwords(new), end="" if new.endswith("\n") else "\n", file=out, flush=True)
             if ended:
                 gone = f"; {', '.join(forgotten)}: no longer known to Slurm" if forgotten else ""
                 print(f"all jobs ended (job{'s' if len(ids) > 1 else ''} {', '.join(ids)}{gone})", file=out, flush=True)
