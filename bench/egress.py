@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -155,7 +156,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds of every path, interleaved")
     parser.add_argument("--cc", default="cubic", help="TCP congestion control in every namespace")
     parser.add_argument("--spool-poll", type=float, default=0.2, help="spool: seconds between looks, site and relay")
+    parser.add_argument(
+        "--loss", type=float, default=FAR.loss_pct,
+        help="random loss on the far link, %% (0 with --jitter-ms 0: a steady link, for paths that differ by a few %%)",
+    )  # fmt: skip
+    parser.add_argument("--jitter-ms", type=float, default=FAR.jitter.total_seconds() * 1e3, help="the far link's")
     args = parser.parse_args()
+    link = replace(FAR, loss_pct=args.loss, jitter=timedelta(milliseconds=args.jitter_ms))
     reason = unavailable_reason() or ("" if tinyproxy_binary() else "tinyproxy is not installed (`make install`)")
     reason = reason or sshd_unavailable()
     if reason:
@@ -165,7 +172,7 @@ def main() -> None:
     wire: dict[str, list[int]] = {p: [] for p in PATHS}
     payload = 0
     with tempfile.TemporaryDirectory(prefix="geofed-egress-bench-") as tmp:
-        with Wan({"far": FAR}, Path(tmp) / "wan", congestion_control=args.cc) as wan:
+        with Wan({"far": link}, Path(tmp) / "wan", congestion_control=args.cc) as wan:
             lab = Lab(wan, Path(tmp), args.params, args.spool_poll)
             try:
                 for r in range(args.rounds):
@@ -189,7 +196,7 @@ def main() -> None:
     ]
     out = {
         "bench": "egress",
-        "link": f"far {FAR.describe()}",
+        "link": f"far {link.describe()}",
         "congestion_control": args.cc,
         "params": args.params,
         "codec": "int8",
