@@ -112,13 +112,14 @@ class Federation:
             return [f"site.relay={login}:{RELAY_PORT}"]
         return [f"site.spool={spool}", "site.spool_poll=100ms"]
 
-    def launch(self, role: str, name: str, shard: int, *site: str) -> subprocess.Popen:
-        """`geofed-hpc launch` of one local site inside `role`'s namespace: the site job the command runs."""
+    def launch(self, role: str, name: str, shard: int, *site: str, dry_run: bool = False) -> subprocess.Popen:
+        """`geofed-hpc launch` of one local site inside `role`'s namespace: the site job the command runs (with
+        `dry_run`: what it would run, the PS probed)."""
         train = [f"train.max_syncs={SYNCS}", "train.batch_size=4", "data.max_tokens=20000"]
         train += ["data.val_batches=1", f"data.cache_dir={self.where / 'cache'}", "federation=egress"]
         argv = [*CLI, "launch", "site=local", f"site.name={name}", "site.num_sites=1", "site.embedded_ps=false"]
         argv += [f"site.first_shard={shard}", "site.shard_count=2", f"ps.address={PS}", *self.common(), *train]
-        argv += [*site, f"run_dir={self.where / name}"]
+        argv += [*site, f"run_dir={self.where / name}", *(["--dry-run"] if dry_run else [])]
         return self.net.popen(role, argv, self.where / f"{name}.log", env=QUIET, cwd=self.where)
 
     def ps_model(self, checker: str) -> dict[str, Any]:
@@ -198,3 +199,18 @@ def test_a_site_in_compute_trains_to_the_same_versions_as_one_in_cloud(federatio
     if path == "tunnel":  # the job's ssh ended with it
         left = subprocess.run(["pgrep", "-f", f"127.0.0.1:[0-9]+:{ClusterNet.CLOUD_IP}:{PS_PORT}"], capture_output=True)
         assert left.stdout.strip() == b"", "the tunnel's ssh outlived the site job"
+
+
+def test_a_dry_run_in_compute_probes_the_ps_along_site_egress(federation: Federation) -> None:
+    """`launch site=local --dry-run` where the jobs would run: the PS is probed as they would reach it, by the relay
+    from `compute`; with direct, which `compute` has no route for, the preflight refuses in one line."""
+    site = federation.start("relay")
+    said = {}
+    for egress in ("relay", "direct"):
+        proc = federation.launch("compute", f"dry{egress}", 0, f"site.egress=[{egress}]", *site, dry_run=True)
+        code = proc.wait(timeout=120)
+        said[egress] = (code, (federation.where / f"dry{egress}.log").read_text(errors="replace"))
+    code, out = said["relay"]
+    assert code == 0 and f"{PS} answers by relay (site.egress), round trip" in out, out
+    code, out = said["direct"]
+    assert code != 0 and "geofed-hpc: error:" in out and PS in out, out

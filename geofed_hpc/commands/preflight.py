@@ -210,10 +210,29 @@ def check_ps(cfg: RunConfig, address: str, probe: bool = True) -> list[Finding]:
         return found
     if not probe:
         return found + [Finding("ok", "ps", f"{address} (not probed: --no-ps-check)")]
+    if cfg.site.executor == "local" and "direct" not in cfg.site.egress:
+        return found + [_along_egress(cfg, address)]  # the jobs run here and take site.egress: probed so
     dialled = dial_each(cfg, address)
     if not cfg.site.token and all(f.level == "ok" for f in dialled):
         found = [f for f in found if f.what != "token"]  # the PS answered without one: it needs none
     return found + dialled
+
+
+def _along_egress(cfg: RunConfig, address: str) -> Finding:
+    """The PS probed along each path of site.egress in turn, as the local site jobs will reach it."""
+    from geofed_hpc.egress.paths import try_path
+    from geofed_hpc.errors import GeofedError
+
+    failed = []
+    for name in cfg.site.egress:
+        try:
+            route, rtt = try_path(name, cfg, address, PROBE_TIMEOUT)
+        except GeofedError as exc:
+            failed.append(f"{name}: {exc}")
+            continue
+        route.close()
+        return Finding("ok", "ps", f"{address} answers by {name} (site.egress), round trip {rtt * 1e3:.0f} ms")
+    return Finding("error", "ps", f"ps.address: {address} answers along no path of site.egress ({'; '.join(failed)})")
 
 
 def dial_each(cfg: RunConfig, address: str) -> list[Finding]:
