@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -10,7 +13,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from geofed_hpc.ckpt.atomic import PRIVATE_FILE, clean_temp_files, private_dirs, set_aside
-from geofed_hpc.ckpt.tensorfile import SUFFIX, load_tensors, problem, save_tensors
+from geofed_hpc.ckpt.tensorfile import SUFFIX, load_tensors, problem, read_ahead, save_tensors
 from geofed_hpc.errors import CheckpointError, ConfigError
 from geofed_hpc.log import logger
 
@@ -58,6 +61,28 @@ class CheckpointStore:
         """Step of the newest checkpoint file present (by name, not verified), or None."""
         found = self.files()
         return found[-1][0] if found else None
+
+    def prefetch(self) -> threading.Thread | None:
+        """Start reading the newest checkpoint file into the page cache on a thread of its own, and return at once (the
+        thread, None when there is no file): a restart imports torch and builds its model meanwhile, then maps a file
+        already in memory instead of waiting for the disk. Only a hint: nothing is loaded or checked, a failure is
+        ignored (`load_tensors` reads and verifies the file as always)."""
+        found = self.files()
+        if not found:
+            return None
+        path = found[-1][1]
+
+        def read() -> None:
+            with contextlib.suppress(OSError):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    read_ahead(fd, 0, os.fstat(fd).st_size)
+                finally:
+                    os.close(fd)
+
+        thread = threading.Thread(target=read, name="checkpoint-prefetch", daemon=True)
+        thread.start()
+        return thread
 
     def save(self, step: int, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> Path:
         """Write the checkpoint of `step` atomically, then delete all but the newest `keep`; return its path."""

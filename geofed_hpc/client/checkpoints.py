@@ -427,8 +427,8 @@ class SiteCheckpoints:
     def _latest(self) -> tuple[dict[str, np.ndarray], dict[str, Any], Path] | None:
         """The newest checkpoint that loads, with its shard folder when it has one (else an older one)."""
         for _, path in reversed(self.store.files()):
-            try:
-                tensors, meta = load_tensors(path)
+            try:  # mapped: verified in place, nothing allocated for the file (the model and optimizer copy out)
+                tensors, meta = load_tensors(path, mapped=True)
             except CheckpointError as exc:
                 logger.warning("skipping unreadable checkpoint %s, trying an older one: %s", path, exc)
                 continue

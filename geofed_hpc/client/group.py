@@ -30,6 +30,7 @@ from geofed_hpc.client.sharded import (
     save_shards,
     start_save_shards,
 )
+from geofed_hpc.client.statecopy import StateCopy
 from geofed_hpc.client.steps import Stepper
 from geofed_hpc.data import BatchSampler
 from geofed_hpc.data.squad import QAExample, QASampler, greedy_answers, score
@@ -86,6 +87,7 @@ class SiteGroup:
         self.signal = 0  # a stop signal this rank received (followers report it with each step)
         self.shard_root: Path | None = None  # where a multi-rank site's DCP checkpoints go (every rank)
         self.pending_shards: PendingShards | None = None  # this rank's shards being written in the background
+        self.state_copy: StateCopy | None = None  # a restored optimizer state being copied out of its checkpoint
         self._comm = stepper.device if stepper.device.type == "cuda" else torch.device("cpu")
 
     # ------------------------------------------------------------------ command channel
@@ -250,6 +252,7 @@ class SiteGroup:
             if name not in names:
                 raise ProtocolError(f"optimizer state for {name!r}, which this model does not have")
             state.setdefault(name, {})[field] = torch.from_numpy(np.asarray(value, dtype=np.float32))
+        self.finish_state_copy()
         if not self.multi:  # set the state in place (DCP's generic path costs ~0.1 s per million parameters)
             params = dict(self.model.named_parameters())
             self.optimizer.state.clear()
@@ -257,9 +260,17 @@ class SiteGroup:
                 device = params[name].device
                 # AdamW keeps `step` on the CPU unless capturable; the moments live with their parameter
                 self.optimizer.state[params[name]] = {k: v if k == "step" else v.to(device) for k, v in entries.items()}
+            if self.stepper.device.type == "cpu":  # the moments are views of `arrays`: copied out on a thread
+                self.state_copy = StateCopy(self.optimizer)
             return
         with self._collective(Cmd.LOAD_OPTIM):
             load_full_optimizer_state(self.model, self.optimizer, {"state": state, "param_groups": self._groups()})
+
+    def finish_state_copy(self) -> None:
+        """The optimizer state restored last holds memory of its own (see StateCopy); before it is replaced."""
+        if self.state_copy is not None:
+            self.state_copy.finish()
+            self.state_copy = None
 
     def _groups(self) -> list[dict[str, Any]]:
         by_id = {id(p): n for n, p in self.model.named_parameters()}

@@ -11,10 +11,12 @@ import sys
 import threading
 import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import submitit
 
+from geofed_hpc.ckpt import CheckpointStore
 from geofed_hpc.client.ranks import site_ranks
 from geofed_hpc.config import RunConfig, from_dict
 from geofed_hpc.log import logger, setup_logging
@@ -130,6 +132,9 @@ class ClientJob(submitit.helpers.Checkpointable):
             runner = ScriptRunner(cfg, self.site_index, self.ps_address)
             stopper.attach(runner)
             return runner.run()
+        if stopper.rank == 0:  # a restart's checkpoint comes off the disk while torch is imported (trainer's folder)
+            folder = Path(cfg.run_dir) / "sites" / f"{cfg.site.name}-{self.site_index}" / "ckpt"
+            CheckpointStore(folder, prefix="site").prefetch()
         from geofed_hpc.client.distributed import close_distributed  # torch is imported here, inside the job
         from geofed_hpc.client.trainer import SiteTrainer
 

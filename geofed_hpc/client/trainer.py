@@ -270,11 +270,12 @@ class SiteTrainer:
             self.sync.link.client, self.sync.rec = client, rec
             client.keep_retrying = lambda: self.stop_signal is None  # a stop saves the unpushed work instead
             self._start(restored, rec)
+            restored = None  # its arrays map the checkpoint file (ckpt/tensorfile.py): the base keeps what it needs
             while not cfg.train.max_syncs or self.progress.syncs < cfg.train.max_syncs:
                 self._sync_once(rec)
             self.ckpt.flush()  # the last checkpoint is on disk before the PS hears we leave
-            self.sync.link.leave(self.sync.version)
             self.sync.settle_report()  # ... and the last sync's report (train.overlap sends it beside training)
+            self.sync.link.leave(self.sync.version)
         self.events("goodput", **self.goodput.summary(), tokens=self.progress.tokens_seen)
         final = self.evaluation.val_loss  # the last evaluation's
         syncs, version = self.progress.syncs, self.sync.version
