@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import Any
 
 LOGGER_NAME = "geofed_hpc"
 logger = logging.getLogger(LOGGER_NAME)
+
+
+_PASSWORD = re.compile(r"(://[^\s/@:'\"]*):[^\s/@]*@")  # a password quoted for a shell: quotes and all
+HIDDEN = "***"
+
+
+def hide_passwords(text: str) -> str:
+    """`text` with the password of every scheme://user:pass@ URL in it shown as *** (what commands print of a
+    site.proxy: a dry run's batch file, the path a job took, its log)."""
+    return _PASSWORD.sub(rf"\g<1>:{HIDDEN}@", text)
 
 
 def escape(text: object, limit: int = 64) -> str:

@@ -21,7 +21,8 @@ from geofed_hpc.config.run import shareable
 from geofed_hpc.errors import UnavailableError
 from geofed_hpc.launch.jobs import print_logs
 from geofed_hpc.launch.manifest import JobRecord
-from geofed_hpc.rpc.proxy import hide_passwords, parse_proxy, proxy_for
+from geofed_hpc.log import hide_passwords
+from geofed_hpc.rpc.proxy import parse_proxy, proxy_for
 from geofed_hpc.testing.proxy import TinyProxy, tinyproxy_binary
 from tests.dist_util import free_port
 from tests.test_launch_slurm import cli, login_env

@@ -116,7 +116,7 @@ def _launch_slurm(cfg: RunConfig) -> int:
         writable_dir(run_dir, "site.run_dir" if cfg.site.run_dir else "run_dir")
     found = preflight(cfg, run_dir, cfg.ps.address, probe=OPTIONS.ps_check)
     if OPTIONS.dry_run:
-        from geofed_hpc.rpc.proxy import hide_passwords
+        from geofed_hpc.log import hide_passwords
 
         print("\n".join(f"# {line}" for line in federation_summary(cfg, run_dir)))
         if cfg.site.relay == "job":
@@ -246,7 +246,7 @@ def cmd_status(cfg: RunConfig) -> int:
             print(f"site jobs {', '.join(jobs)}: state unknown: {exc}")
         from geofed_hpc.egress.paths import recorded
         from geofed_hpc.launch.executor import site_run_dir
-        from geofed_hpc.rpc.proxy import hide_passwords
+        from geofed_hpc.log import hide_passwords
 
         for name, took in recorded(site_run_dir(cfg)).items():  # site.egress: the path each job took to the PS
             detail = hide_passwords(took.get("detail", ""))

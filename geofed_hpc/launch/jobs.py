@@ -13,7 +13,7 @@ from typing import TextIO
 
 from geofed_hpc.launch.manifest import JobRecord
 from geofed_hpc.launch.slurm import JobState, job_states
-from geofed_hpc.rpc.proxy import hide_passwords
+from geofed_hpc.log import hide_passwords
 
 FOLLOW_POLL = timedelta(seconds=0.5)
 FOLLOW_STATE_EVERY = timedelta(seconds=5)

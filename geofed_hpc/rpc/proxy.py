@@ -18,11 +18,10 @@ from datetime import timedelta
 from urllib.parse import unquote
 
 from geofed_hpc.errors import UnavailableError
+from geofed_hpc.log import HIDDEN
 
 _URL = re.compile(r"(?:http://)?(?:(?P<user>[^\s/@:]*)(?::(?P<password>[^\s/@]*))?@)?(?P<host>\[[^\]]+\]|[^\s/:@]+)"
                   r"(?::(?P<port>\d{1,5}))?/?")  # fmt: skip
-_PASSWORD = re.compile(r"(://[^\s/@:'\"]*):[^\s/@]*@")  # a password quoted for a shell: quotes and all
-HIDDEN = "***"
 MAX_ANSWER = 8192  # bytes of the proxy's answer read, at most, before its status line and headers must have ended
 # What a proxy that is down, restarting or cannot reach the PS (yet) says: worth retrying, unlike a refusal.
 _PASSING = ("does not answer (", "could not reach ", "closed the connection during CONNECT")
@@ -48,12 +47,6 @@ class Proxy:
             return ""
         pair = f"{self.user}:{self.password}".encode()
         return f"Proxy-Authorization: Basic {base64.b64encode(pair).decode()}\r\n"
-
-
-def hide_passwords(text: str) -> str:
-    """`text` with the password of every scheme://user:pass@ URL in it shown as *** (what commands print of a
-    site.proxy: a dry run's batch file, the path a job took, its log)."""
-    return _PASSWORD.sub(rf"\g<1>:{HIDDEN}@", text)
 
 
 def passing(why: str) -> bool:
