@@ -186,6 +186,11 @@ def test_a_killed_peers_sites_fail_over_nothing_is_lost_or_doubled_and_it_rejoin
                 300,
                 "a first round",
             )
+            # and every site joined (the killed peer's own sites hold sessions there: a slow starter that found
+            # it gone already would join the next peer fresh, not fail over)
+            site_dirs = [tmp_path / "run" / "sites" / f"local-{i}" for i in range(len(sites))]
+            joined = lambda: all(any(e["event"] == "ready" for e in events(d)) for d in site_dirs)  # noqa: E731
+            wait_for(joined, 300, "every site joined")
             group.procs[killed].kill()  # SIGKILL: its sites' pushes in flight die with it
             group.procs[killed].wait(timeout=30)
             for site in sites:
