@@ -240,7 +240,10 @@ def test_client_that_breaks_off_mid_stream_changes_nothing(live_ps) -> None:
         params = small_params()
         client.push_delta(m.PushHeader(a, 0, 0, 0, "fp32", 0, b"", "", init=True), codec.encode(params, FP32))
         before = logic.model_hash()
-        chunks = push_chunks(a, 0, ones(params), push_id="broken")
+        # random values, so the payload spans several chunks and the break falls before its last byte (a stream cut
+        # after its last chunk carries a whole, verified delta, which the PS may rightly apply)
+        chunks = push_chunks(a, 0, small_params(seed=1), push_id="broken")
+        assert len(chunks) > 3
 
         def broken() -> Iterator[m.Chunk]:
             yield from chunks[:2]
