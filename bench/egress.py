@@ -1,6 +1,6 @@
 """Egress benchmark: a site's sync (push a delta, pull the update it made) over the emulated far link, dialled
-directly, through an HTTP CONNECT proxy (tinyproxy), through `geofed-hpc relay` and through an ssh tunnel to a real
-sshd (site.tunnel's `ssh -N -L`) (root; CUBIC).
+directly, through an HTTP CONNECT proxy (squid, as clusters run; --proxy tinyproxy), through `geofed-hpc relay` and
+through an ssh tunnel to a real sshd (site.tunnel's `ssh -N -L`) (root; CUBIC).
 
 The proxy, the relay and the sshd run in the site's namespace, on the site's side of the far link, as they do on a
 login node: what is measured is the cost of the extra hop (and of the CONNECT, or of ssh's encryption), against
@@ -25,7 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from geofed_hpc.ps.tokens import TokenFile, tokens_path
-from geofed_hpc.testing.proxy import TinyProxy, tinyproxy_binary
+from geofed_hpc.testing.proxy import Squid, TinyProxy, squid_binary, tinyproxy_binary
 from geofed_hpc.testing.sshd import Sshd, sshd_unavailable
 from geofed_hpc.testing.wan import FAR, Wan, unavailable_reason
 
@@ -83,7 +83,7 @@ print(json.dumps({"times": times, "bytes": len(delta)}))
 class Lab:
     """The far link, a `ps up` over TLS in the PS's namespace, and the paths a site in the other namespace takes."""
 
-    def __init__(self, wan: Wan, work: Path, params: int, spool_poll: float = 0.2) -> None:
+    def __init__(self, wan: Wan, work: Path, params: int, spool_poll: float = 0.2, proxy: str = "squid") -> None:
         self.wan, self.work, self.params, self.spool_poll = wan, work, params, spool_poll
         self.ps_ip = wan.ps_ip("far")
         self.pki, state = work / "pki", work / "state"
@@ -105,8 +105,9 @@ class Lab:
                  "ps.insecure=false", f"ps.ca_file={self.pki}/ca.crt"]  # fmt: skip
         wan.popen(wan.site_ns("far"), spool, spool_log)
         wait_line(spool_log, "relay on spool")
-        self.proxy = TinyProxy(work / "proxy", PROXY_PORT, allow=(self.ps_ip,), ports=(PS_PORT,),
-                               netns=wan.site_ns("far")).start()  # fmt: skip
+        kind = Squid if proxy == "squid" else TinyProxy
+        self.proxy = kind(work / "proxy", PROXY_PORT, allow=(self.ps_ip,), ports=(PS_PORT,), netns=wan.site_ns("far"))
+        self.proxy.start()
         self.sshd = Sshd(work / "sshd", SSH_PORT, netns=wan.site_ns("far")).start()
         self.sites = 0
 
@@ -160,10 +161,17 @@ def main() -> None:
         "--loss", type=float, default=FAR.loss_pct,
         help="random loss on the far link, %% (0 with --jitter-ms 0: a steady link, for paths that differ by a few %%)",
     )  # fmt: skip
+    parser.add_argument("--proxy", choices=("squid", "tinyproxy"), default="squid", help="the proxy path's proxy")
+    parser.add_argument("--paths", default=",".join(PATHS), help="the paths to measure, comma-separated")
     parser.add_argument("--jitter-ms", type=float, default=FAR.jitter.total_seconds() * 1e3, help="the far link's")
     args = parser.parse_args()
     link = replace(FAR, loss_pct=args.loss, jitter=timedelta(milliseconds=args.jitter_ms))
-    reason = unavailable_reason() or ("" if tinyproxy_binary() else "tinyproxy is not installed (`make install`)")
+    paths = tuple(p for p in PATHS if p in args.paths.split(","))
+    if "direct" not in paths or len(paths) != len(args.paths.split(",")):
+        sys.exit(f"bench/egress.py: --paths must name direct and only paths of {', '.join(PATHS)}")
+    binary = squid_binary() if args.proxy == "squid" else tinyproxy_binary()
+    install = "apt-get install squid, as root; or --proxy tinyproxy" if args.proxy == "squid" else "`make install`"
+    reason = unavailable_reason() or ("" if binary else f"{args.proxy} is not installed ({install})")
     reason = reason or sshd_unavailable()
     if reason:
         sys.exit(f"bench/egress.py: {reason}")
@@ -173,10 +181,10 @@ def main() -> None:
     payload = 0
     with tempfile.TemporaryDirectory(prefix="geofed-egress-bench-") as tmp:
         with Wan({"far": link}, Path(tmp) / "wan", congestion_control=args.cc) as wan:
-            lab = Lab(wan, Path(tmp), args.params, args.spool_poll)
+            lab = Lab(wan, Path(tmp), args.params, args.spool_poll, args.proxy)
             try:
                 for r in range(args.rounds):
-                    for path in PATHS if r % 2 == 0 else reversed(PATHS):
+                    for path in paths if r % 2 == 0 else reversed(paths):
                         seconds, payload, per_sync = lab.syncs(path, args.syncs)
                         times[path] += seconds
                         wire[path].append(per_sync)
@@ -192,7 +200,7 @@ def main() -> None:
             "bytes_per_sync": int(statistics.median(wire[path])),
             "overhead_vs_direct": statistics.median(times[path]) / direct - 1.0,
         }
-        for path in PATHS
+        for path in paths
     ]
     out = {
         "bench": "egress",
@@ -200,6 +208,7 @@ def main() -> None:
         "congestion_control": args.cc,
         "params": args.params,
         "codec": "int8",
+        "proxy": args.proxy,
         "push_payload_bytes": payload,
         "syncs_per_path": args.syncs * args.rounds,
         "spool_poll_s": args.spool_poll,

@@ -1,6 +1,6 @@
-"""A site that reaches its PS only through an HTTP proxy: a real tinyproxy that admits CONNECT to the PS alone, a real
-`ps up` over TLS, the site's own client; a proxy that refuses the port or wants credentials is one line saying what to
-do; a whole local federation with W&B offline asks the proxy for nothing but its PS."""
+"""A site that reaches its PS only through an HTTP proxy: a real tinyproxy (and squid) that admits CONNECT to the PS
+alone, a real `ps up` over TLS, the site's own client; a proxy that refuses the port or wants credentials is one line
+saying what to do; a whole local federation with W&B offline asks the proxy for nothing but its PS."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from geofed_hpc.launch.jobs import print_logs
 from geofed_hpc.launch.manifest import JobRecord
 from geofed_hpc.log import hide_passwords
 from geofed_hpc.rpc.proxy import parse_proxy, proxy_for
-from geofed_hpc.testing.proxy import TinyProxy, tinyproxy_binary
+from geofed_hpc.testing.proxy import Squid, TinyProxy, squid_binary, tinyproxy_binary
 from tests.dist_util import free_port
 from tests.test_launch_slurm import cli, login_env
 from tests.test_ps_edge import EdgePS, legit_push
@@ -33,6 +33,12 @@ needs_proxy = pytest.mark.skipif(
     not tinyproxy_binary(),
     reason="tinyproxy is not installed (`make install` installs it as root where apt-get is available)",
 )
+NO_SQUID = "squid is not installed (as root: apt-get install squid)"
+# the proxies a cluster's login node runs: each test of the path through one runs with both
+KINDS = [
+    pytest.param(TinyProxy, marks=needs_proxy, id="tinyproxy"),
+    pytest.param(Squid, marks=pytest.mark.skipif(not squid_binary(), reason=NO_SQUID), id="squid"),
+]
 PROXY_ENV = ("grpc_proxy", "https_proxy", "http_proxy", "no_grpc_proxy", "no_proxy", "HTTPS_PROXY", "HTTP_PROXY")
 
 
@@ -48,34 +54,40 @@ def proxied(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[list[Ti
 
 
 def start(
-    started: list[TinyProxy], folder: Path, monkeypatch: pytest.MonkeyPatch, url: str = "", **kw: object
+    started: list[TinyProxy],
+    folder: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    url: str = "",
+    kind: type = TinyProxy,
+    **kw: object,
 ) -> TinyProxy:
-    proxy = TinyProxy(folder / f"proxy{len(started)}", free_port(), **kw).start()  # type: ignore[arg-type]
+    proxy = kind(folder / f"proxy{len(started)}", free_port(), **kw).start()
     started.append(proxy)
     monkeypatch.setenv("grpc_proxy", url or proxy.url)  # what the batch script exports from site.proxy
     return proxy
 
 
-@needs_proxy
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_site_reaches_its_ps_through_a_proxy_that_admits_only_the_ps(
-    tls_ps: EdgePS, proxied: list[TinyProxy], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tls_ps: EdgePS, proxied: list[TinyProxy], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: type
 ) -> None:
-    proxy = start(proxied, tmp_path, monkeypatch, ports=(tls_ps.port,))
+    proxy = start(proxied, tmp_path, monkeypatch, kind=kind, ports=(tls_ps.port,))
     with tls_ps.client() as client:
         client.connect(timedelta(seconds=30))
         session = tls_ps.joined(client, "osc-1").session_id
         assert legit_push(client, session).accepted
         header, payload = client.pull_model(session)
         assert header.version >= 1 and payload
+    proxy.stop()  # squid logs a tunnel when it closes
     tunnels = proxy.requests()
     assert tunnels and set(tunnels) == {("CONNECT", f"127.0.0.1:{tls_ps.port}")}  # TLS inside: the proxy saw no more
 
 
-@needs_proxy
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_proxy_that_allows_only_port_443_is_named_at_once_with_the_fix(
-    tls_ps: EdgePS, proxied: list[TinyProxy], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tls_ps: EdgePS, proxied: list[TinyProxy], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: type
 ) -> None:
-    proxy = start(proxied, tmp_path, monkeypatch, ports=(443,))
+    proxy = start(proxied, tmp_path, monkeypatch, kind=kind, ports=(443,))
     with tls_ps.client() as client, pytest.raises(UnavailableError) as info:
         client.connect(timedelta(seconds=60))
     why = str(info.value)
