@@ -27,7 +27,7 @@ from pathlib import Path
 from geofed_hpc.ps.tokens import TokenFile, tokens_path
 from geofed_hpc.testing.proxy import Squid, TinyProxy, squid_binary, tinyproxy_binary
 from geofed_hpc.testing.sshd import Sshd, sshd_unavailable
-from geofed_hpc.testing.wan import FAR, Wan, unavailable_reason
+from geofed_hpc.testing.wan import FAR, Wan, exit_on_sigterm, unavailable_reason
 
 PATHS = ("direct", "proxy", "relay", "tunnel", "spool")
 PS_PORT, PROXY_PORT, RELAY_PORT, SSH_PORT = 50051, 3128, 50052, 2222
@@ -150,6 +150,7 @@ def wait_line(log: Path, text: str, seconds: float = 60) -> None:
 
 
 def main() -> None:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, default=Path("bench/results/egress.json"))
     parser.add_argument("--params", type=int, default=2_000_000, help="model parameters (int8: ~1 byte each a push)")

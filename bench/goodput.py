@@ -15,7 +15,7 @@ from typing import Any
 
 from geofed_hpc.metrics import read_jsonl
 from geofed_hpc.testing.federation import TINY, WanFederation
-from geofed_hpc.testing.wan import FAR, NEAR, Wan, unavailable_reason
+from geofed_hpc.testing.wan import FAR, NEAR, Wan, exit_on_sigterm, unavailable_reason
 
 LINKS = {"near": NEAR, "far": FAR}
 SITES = 3
@@ -90,6 +90,7 @@ ROW_KEYS = ("mode", "aggregation", "link", "goodput", "tokens_per_s", "final_val
 
 
 def main() -> None:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", type=Path, default=Path("bench/results/goodput.json"))
     parser.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))

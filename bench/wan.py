@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from geofed_hpc.testing.federation import TINY, WanFederation
-from geofed_hpc.testing.wan import FAR, NEAR, Wan, unavailable_reason
+from geofed_hpc.testing.wan import FAR, NEAR, Wan, exit_on_sigterm, unavailable_reason
 
 LINKS = {"near": NEAR, "far": FAR}
 BASELINE = "fp32"  # lossless: what every other codec is compared against, measured in the same run
@@ -75,6 +75,7 @@ def parse_s(text: str) -> float:
 
 
 def main() -> None:
+    exit_on_sigterm()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", type=Path, default=Path("bench/results/wan.json"))
     parser.add_argument("--codecs", nargs="*", default=None, help="default: every conf/codec option")

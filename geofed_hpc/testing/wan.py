@@ -54,6 +54,12 @@ NEAR = Link(timedelta(milliseconds=50), timedelta(milliseconds=10), 1.0, 50.0)
 FAR = Link(timedelta(milliseconds=100), timedelta(milliseconds=20), 1.0, 20.0)
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (`timeout`, `kill`) leave like Ctrl-C does, through every `with Wan(...)`: a benchmark stopped
+    from outside removes its namespaces and ends its processes instead of leaving them behind."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+
+
 def unavailable_reason() -> str:
     """Why this machine cannot build the emulated WAN ('' when it can)."""
     if sys.platform != "linux":
