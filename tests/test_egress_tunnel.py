@@ -12,12 +12,14 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from geofed_hpc.config import RunConfig, SiteConfig
-from geofed_hpc.egress.paths import choose
+from geofed_hpc.egress.paths import choose, try_path
 from geofed_hpc.egress.tunnel import SshTunnel, ssh_command
 from geofed_hpc.errors import ConfigError, UnavailableError
 from geofed_hpc.testing.sshd import Sshd, keygen, sshd_unavailable
@@ -94,6 +96,20 @@ def test_a_path_that_is_not_set_up_is_skipped_and_the_reasons_are_named() -> Non
     with pytest.raises(UnavailableError) as info:
         choose(cfg, "127.0.0.1:1")
     assert "tunnel: site.tunnel is empty" in str(info.value) and "relay: site.relay is empty" in str(info.value)
+
+
+def test_a_group_whose_first_ps_is_down_is_reached_directly_and_none_up_names_each(tls_ps: Any) -> None:
+    closed, also_closed = free_port(), free_port()
+    live = f"127.0.0.1:{closed},127.0.0.1:{tls_ps.port}"  # ps.address of a group: its first peer is down
+    cfg = RunConfig(ps=tls_ps.config(address=live, connect_timeout="20s"), site=SiteConfig(egress=["direct", "proxy"]))
+    route, seconds = try_path("direct", cfg, live, timedelta(seconds=20))
+    route.close()
+    assert seconds >= 0
+    down = f"127.0.0.1:{closed},127.0.0.1:{also_closed}"
+    with pytest.raises(UnavailableError) as info:
+        try_path("direct", cfg, down, timedelta(seconds=5))
+    assert f"nothing answers at 127.0.0.1:{closed}" in str(info.value)
+    assert f"nothing answers at 127.0.0.1:{also_closed}" in str(info.value)
 
 
 @needs_sshd

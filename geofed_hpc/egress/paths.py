@@ -104,13 +104,28 @@ def open_direct(cfg: RunConfig, address: str, timeout: timedelta) -> Route:
     return Route("direct", address, cfg.ps, [("grpc.enable_http_proxy", 0)], detail=address)
 
 
+def _first_reachable(address: str, dial: Callable[[str, int], None]) -> None:
+    """`dial` each PS of a comma-separated ps.address in turn until one answers (a group whose first peer is down
+    is still reachable); UnavailableError naming each that did not, when none does."""
+    failed: list[str] = []
+    for one in (a.strip() for a in address.split(",") if a.strip()):
+        try:
+            dial(*_ps_host_port(one))
+            return
+        except OSError as exc:
+            failed.append(f"nothing answers at {one} from here ({exc.strerror or exc})")
+        except UnavailableError as exc:
+            failed.append(str(exc))
+    raise UnavailableError("; ".join(failed) or f"ps.address {address!r} names no PS")
+
+
 def probe_direct(route: Route, cfg: RunConfig, timeout: timedelta) -> float:
     """A TCP connection first (no route, refused: said at once), then the default probe."""
-    host, port = _ps_host_port(route.address)
-    try:
+
+    def dial(host: str, port: int) -> None:
         socket.create_connection((host, port), timeout=timeout.total_seconds()).close()
-    except OSError as exc:
-        raise UnavailableError(f"nothing answers at {route.address} from here ({exc.strerror or exc})") from None
+
+    _first_reachable(route.address, dial)
     return default_probe(route, cfg, timeout)
 
 
@@ -129,8 +144,11 @@ def open_proxy(cfg: RunConfig, address: str, timeout: timedelta) -> Route:
 
 def probe_proxy(route: Route, cfg: RunConfig, timeout: timedelta) -> float:
     """One CONNECT by hand first (a refusal or a request for credentials: one line saying so), then the default."""
-    host, port = _ps_host_port(route.address)
-    tunnel(_proxy_of(cfg, host)[0], host, port, timeout).close()
+
+    def dial(host: str, port: int) -> None:
+        tunnel(_proxy_of(cfg, host)[0], host, port, timeout).close()
+
+    _first_reachable(route.address, dial)
     return default_probe(route, cfg, timeout)
 
 
