@@ -89,7 +89,7 @@ class Federation:
         if path == "proxy":
             if self.proxy is None:
                 folder, clients, inside = self.where / "proxy", f"{net.COMPUTE_IP}/32", net.ns("login")
-                self.proxy = TinyProxy(folder, PROXY_PORT, (net.CLOUD_IP,), (PS_PORT,), "", login, clients, inside)
+                self.proxy = TinyProxy(folder, PROXY_PORT, (net.CLOUD_IP,), (PS_PORT,), login, clients, inside)
                 self.proxy.start()
             return [f"site.proxy=http://{login}:{PROXY_PORT}"]
         if path == "tunnel":

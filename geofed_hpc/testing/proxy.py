@@ -10,9 +10,11 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import IO, Any
 
 from geofed_hpc.errors import GeofedError
 
@@ -27,23 +29,65 @@ def tinyproxy_binary() -> str:
 
 
 @dataclass
-class TinyProxy:
-    """tinyproxy on 127.0.0.1:`port`, in its own folder. `allow`: the only hosts CONNECT may reach; `ports`: the
-    only ports CONNECT may reach (empty: any); `credentials`: "user:pass" it demands (Basic), or none."""
+class _Proxy:
+    """What both proxies share: they listen on `listen`:`port` (in `netns`; "": this namespace), serve `clients` (an
+    address or a subnet), and admit CONNECT only to the hosts `allow` and the ports `ports` (empty: any)."""
 
     folder: Path
     port: int
     allow: tuple[str, ...] = ("127.0.0.1",)
     ports: tuple[int, ...] = ()
-    credentials: str = ""
     listen: str = "127.0.0.1"
-    clients: str = "127.0.0.1"  # the addresses it serves (tinyproxy's Allow: an address or a subnet)
-    netns: str = ""  # the network namespace it runs in ("": this one)
+    clients: str = "127.0.0.1"
+    netns: str = ""
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
         return f"http://{self.listen}:{self.port}"
+
+    def _run(self, argv: list[str], wait: timedelta, problem: Callable[[], str]) -> None:
+        """Start `argv` (inside `netns`) and wait until it listens on `port`; GeofedError with `problem()` if not."""
+        with (self.folder / "stderr").open("w") as out:
+            self.proc = serve(argv, self.netns, out)
+        await_listening(self.proc, self.port, wait, lambda: f"{Path(argv[0]).name} did not start: {problem()}")
+
+    def stop(self) -> None:
+        terminate(self.proc)
+
+
+def serve(argv: list[str], netns: str, out: IO[Any]) -> subprocess.Popen:
+    """A server process for a test: `argv` in network namespace `netns` ("": this one), its output to `out`."""
+    inside = ["ip", "netns", "exec", netns] if netns else []
+    return subprocess.Popen([*inside, *argv], stdout=out, stderr=subprocess.STDOUT)
+
+
+def await_listening(proc: subprocess.Popen, port: int, wait: timedelta, why: Callable[[], str]) -> None:
+    """Wait until `proc` listens on `port`; when it exits or `wait` passes first: end it, GeofedError(why())."""
+    deadline = time.monotonic() + wait.total_seconds()
+    while not _listening(proc.pid, port):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            terminate(proc)
+            raise GeofedError(why())
+        time.sleep(0.05)
+
+
+def terminate(proc: subprocess.Popen | None) -> None:
+    """End a server by its PID: SIGTERM (it writes its logs and leaves), then SIGKILL after 10 s."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@dataclass
+class TinyProxy(_Proxy):
+    """tinyproxy; `credentials`: "user:pass" it demands (Basic), or none."""
+
+    credentials: str = ""
 
     @property
     def log_path(self) -> Path:
@@ -75,51 +119,22 @@ class TinyProxy:
         conf.write_text("\n".join(lines) + "\n")
         self.log_path.touch(mode=0o666)
         self.log_path.chmod(0o666)
-        out = (self.folder / "stderr").open("w")
-        inside = ["ip", "netns", "exec", self.netns] if self.netns else []
-        self.proc = subprocess.Popen([*inside, binary, "-d", "-c", str(conf)], stdout=out, stderr=subprocess.STDOUT)
-        out.close()
-        deadline = time.monotonic() + START_WAIT.total_seconds()
-        while not _listening(self.proc.pid, self.port):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise GeofedError(f"tinyproxy did not start: {(self.folder / 'stderr').read_text()[-500:]}")
-            time.sleep(0.05)
+        self._run([binary, "-d", "-c", str(conf)], START_WAIT, lambda: _read(self.folder / "stderr")[-500:])
         return self
-
-    def _log(self) -> str:
-        return self.log_path.read_bytes().decode("latin-1") if self.log_path.exists() else ""
 
     def requests(self) -> list[tuple[str, str]]:
         """(method, target) of every request the proxy got, in order: ("CONNECT", "127.0.0.1:50051")."""
-        return [(m.group(1), m.group(2)) for m in _REQUEST.finditer(self._log())]
-
-    def stop(self) -> None:
-        _terminate(self.proc)
+        return [(m.group(1), m.group(2)) for m in _REQUEST.finditer(_read(self.log_path))]
 
 
 def squid_binary() -> str:
-    """The squid executable, or '' when it is not installed (`make install` installs it as root with apt)."""
+    """The squid executable, or '' when it is not installed (as root: `apt-get install squid`)."""
     return shutil.which("squid") or ("/usr/sbin/squid" if Path("/usr/sbin/squid").is_file() else "")
 
 
 @dataclass
-class Squid:
-    """squid, the proxy most clusters' login nodes run, on `listen`:`port` in its own folder, caching nothing: the
-    same contract as TinyProxy (CONNECT only to `allow` and `ports`, from `clients`, in `netns`)."""
-
-    folder: Path
-    port: int
-    allow: tuple[str, ...] = ("127.0.0.1",)
-    ports: tuple[int, ...] = ()
-    listen: str = "127.0.0.1"
-    clients: str = "127.0.0.1"
-    netns: str = ""
-    proc: subprocess.Popen | None = field(default=None, repr=False)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.listen}:{self.port}"
+class Squid(_Proxy):
+    """squid, the proxy most clusters' login nodes run, caching nothing: the same contract as TinyProxy."""
 
     @property
     def log_path(self) -> Path:
@@ -130,10 +145,12 @@ class Squid:
         if not binary:
             raise GeofedError("squid is not installed: `apt-get install squid` (as root)")
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.folder.chmod(0o777)  # squid started by root drops to its own user, which writes the logs: it must
-        for parent in self.folder.parents:  # reach the folder, so private folders above it (a temporary
-            if parent.stat().st_uid == os.getuid() and not parent.stat().st_mode & 0o001:  # folder) get search
-                parent.chmod(parent.stat().st_mode | 0o001)  # permission, never read or write
+        # squid started by root drops to its own user, which writes the logs: it must reach the folder, so our
+        # private folders above it (a temporary folder) get search permission for others, never read or write
+        self.folder.chmod(0o777)
+        for parent in self.folder.parents:
+            if parent.stat().st_uid == os.getuid() and not parent.stat().st_mode & 0o001:
+                parent.chmod(parent.stat().st_mode | 0o001)
         lines = [
             f"http_port {self.listen}:{self.port}",
             f"pid_filename {self.folder}/squid.pid",
@@ -155,17 +172,11 @@ class Squid:
         ]
         conf = self.folder / "squid.conf"
         conf.write_text("\n".join(lines) + "\n")
-        out = (self.folder / "stderr").open("w")
-        inside = ["ip", "netns", "exec", self.netns] if self.netns else []
-        self.proc = subprocess.Popen([*inside, binary, "-N", "-f", str(conf)], stdout=out, stderr=subprocess.STDOUT)
-        out.close()
-        deadline = time.monotonic() + 3 * START_WAIT.total_seconds()
-        while not _listening(self.proc.pid, self.port):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                logs = (self.folder / "stderr").read_text() + _read(self.folder / "cache.log")
-                raise GeofedError(f"squid did not start: {logs[-800:]}")
-            time.sleep(0.05)
+
+        def logs() -> str:
+            return (_read(self.folder / "stderr") + _read(self.folder / "cache.log"))[-800:]
+
+        self._run([binary, "-N", "-f", str(conf)], 3 * START_WAIT, logs)  # squid takes longer to start
         return self
 
     def requests(self) -> list[tuple[str, str]]:
@@ -173,20 +184,6 @@ class Squid:
         logs a tunnel when it closes, and all of them by the time stop() returns."""
         rows = [line.split() for line in _read(self.log_path).splitlines()]
         return [(r[5], r[6]) for r in rows if len(r) > 6]
-
-    def stop(self) -> None:
-        _terminate(self.proc)
-
-
-def _terminate(proc: subprocess.Popen | None) -> None:
-    """SIGTERM (both proxies write their logs and leave), then SIGKILL after 10 s."""
-    if proc is not None and proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 def _read(path: Path) -> str:

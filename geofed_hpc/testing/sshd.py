@@ -4,15 +4,13 @@ one authorized client key, public keys only, in a folder of its own and optional
 from __future__ import annotations
 
 import getpass
-import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 from geofed_hpc.errors import GeofedError
-from geofed_hpc.testing.proxy import _listening
+from geofed_hpc.testing.proxy import await_listening, serve, terminate
 
 SSHD = Path("/usr/sbin/sshd")
 START_WAIT = timedelta(seconds=10)
@@ -83,15 +81,9 @@ class Sshd:
                 "AllowAgentForwarding no", "LogLevel VERBOSE",
             ]) + "\n"
         )  # fmt: skip
-        inside = ["ip", "netns", "exec", self.netns] if self.netns else []
         with open(self.folder / "sshd.log", "wb") as log:
-            self.proc = subprocess.Popen([*inside, str(SSHD), "-D", "-e", "-f", str(conf)], stdout=log, stderr=log)
-        deadline = time.monotonic() + START_WAIT.total_seconds()
-        while not _listening(self.proc.pid, self.port):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise GeofedError(f"sshd did not start: {(self.folder / 'sshd.log').read_text()[-500:]}")
-            time.sleep(0.05)
+            self.proc = serve([str(SSHD), "-D", "-e", "-f", str(conf)], self.netns, log)
+        await_listening(self.proc, self.port, START_WAIT, lambda: f"sshd did not start: {self.log()[-500:]}")
         return self
 
     def log(self) -> str:
@@ -100,13 +92,7 @@ class Sshd:
 
     def stop(self) -> None:
         """End sshd by its PID (its per-connection children end with their connections)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        terminate(self.proc)
 
     def __enter__(self) -> Sshd:
         return self.start()
