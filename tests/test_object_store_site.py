@@ -60,6 +60,8 @@ def test_checkpoints_mirror_in_the_background_newest_first_each_visible_once_com
         mirror.submit(_checkpoint(folder, step, 1000))
     first.unlink()  # pruned locally while it waits or uploads: the mirror uploads its staged link
     mirror.push({"push_id": "p3", "base_version": 3, "draws": 12})
+    for syncs in range(1, 21):  # the push log: written at once, the newest 16 kept past the next commit
+        mirror.log_push({"push_id": f"q{syncs}", "base_version": syncs - 1, "draws": 3 * syncs, "syncs": syncs})
     assert mirror.settle()
     assert mirror.superseded >= 1 and mirror.uploaded + mirror.superseded == 3 and mirror.failed == 0
     manifest = json.loads(open_store(f"{url}/osc-0").get("mirror.json"))
@@ -75,28 +77,30 @@ def test_checkpoints_mirror_in_the_background_newest_first_each_visible_once_com
     assert mirror.settle() and mirror.failed == 1
     faults.install("")
     restored = tmp_path / "purged"
-    assert restore(CheckpointMirror(url, "osc-0", restored), restored, "push.json") == (
+    assert restore(CheckpointMirror(url, "osc-0", restored), restored, "push.json", "pushes.json") == (
         restored / "site-000000003.gft",
         "",
     )
     assert (restored / "site-000000003.gft").read_bytes() == (folder / "site-000000003.gft").read_bytes()
     assert json.loads((restored / "push.json").read_text())["push_id"] == "p3"
+    logged = json.loads((restored / "pushes.json").read_text())
+    assert [r["push_id"] for r in logged] == [f"q{n}" for n in range(5, 21)]  # oldest first
 
     # a damaged newest object: the one before it is restored; none intact: one line, nothing started
     store = open_store(f"{url}/osc-0")
     newest, older = (row["objects"][0]["key"] for row in manifest["checkpoints"])
     store.put(newest, store.get(newest)[:-10])
     again = tmp_path / "again"
-    assert restore(CheckpointMirror(url, "osc-0", again), again, "push.json") is not None
+    assert restore(CheckpointMirror(url, "osc-0", again), again, "push.json", "pushes.json") is not None
     assert not (again / "site-000000003.gft").exists() and not (again / "push.json").exists()
     store.put(older, b"x")
     with pytest.raises(CheckpointError, match=rf"^{url}/osc-0/mirror.json names 2 checkpoint\(s\) and none is intact"):
-        restore(CheckpointMirror(url, "osc-0", tmp_path / "c"), tmp_path / "c", "push.json")
+        restore(CheckpointMirror(url, "osc-0", tmp_path / "c"), tmp_path / "c", "push.json", "pushes.json")
     with pytest.raises(StoreError, match=r"^cannot read s3://no-such-bucket-49/run/osc-0/mirror.json: the bucket"):
         CheckpointMirror("s3://no-such-bucket-49/run", "osc-0", tmp_path / "e").check()  # refused at start
     open_store(f"{url}/other-0").put("mirror.json", store.get("mirror.json"))  # copied from another site
     with pytest.raises(CheckpointError, match=r"mirrors site 'osc-0', not other-0: give each run its own"):
-        restore(CheckpointMirror(url, "other-0", tmp_path / "d"), tmp_path / "d", "push.json")
+        restore(CheckpointMirror(url, "other-0", tmp_path / "d"), tmp_path / "d", "push.json", "pushes.json")
 
 
 def _launch(cfg: dict[str, Any], folder: Path, address: str) -> Site:
@@ -145,6 +149,59 @@ def test_a_purged_site_resumes_from_its_mirror_bit_for_bit_reading_its_shards_fr
     assert straight.keys() == purged.keys() and any(k.startswith("model/") for k in straight)
     for key, value in straight.items():
         assert torch.equal(torch.as_tensor(value), torch.as_tensor(purged[key])), key  # bit for bit
+
+
+def test_a_push_record_the_store_refuses_pauses_the_log_until_an_upload_succeeds(
+    s3_env: S3Server, tmp_path: Path, no_faults: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    mirror = CheckpointMirror(s3_env.make_bucket("push-log"), "osc-0", folder)
+
+    def record(syncs: int) -> dict[str, Any]:
+        return {"push_id": f"p{syncs}", "base_version": syncs - 1, "draws": 3 * syncs, "syncs": syncs}
+
+    mirror.log_push(record(1))
+    faults.install("store.put[pushes/000000002]@1=eio")
+    mirror.log_push(record(2))  # refused: the push goes out all the same
+    mirror.log_push(record(3))  # not tried: a store that is down does not hold every sync
+    assert sorted(mirror.store.listing("pushes/")) == ["pushes/000000001.json"]
+    mirror.submit(_checkpoint(folder, 3, 1000))
+    assert mirror.settle() and mirror.uploaded == 1  # the store takes uploads again: so the log
+    assert "push records no longer reach the mirror" in caplog.text
+    mirror.log_push(record(4))
+    assert sorted(mirror.store.listing("pushes/")) == ["pushes/000000001.json", "pushes/000000004.json"]
+
+
+@pytest.mark.slow
+def test_a_purged_site_whose_mirror_lags_two_pushes_trains_neither_again(
+    s3_env: S3Server, tmp_path: Path, shards: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store refuses the checkpoints after the first sync, so the mirror's newest checkpoint is two pushes
+    behind when the site's folder is purged. The pushes' records reached the mirror before each push went out: the
+    resumed site asks the PS, skips the batches of both applied pushes and goes on from the global model."""
+    bucket = s3_env.make_bucket("lagging-mirror")
+    ps = make_ps(tmp_path)
+    site_dir = tmp_path / "run" / "sites" / "local-0"
+    cfg = site_cfg(tmp_path, shards, max_syncs=3)
+    cfg["train"]["checkpoint_mirror"] = f"{bucket}/run"
+    refused = [f"mirror.put[site-00000000{n}]@{k}=eio" for n in (2, 3) for k in (1, 2, 3, 4)]
+    try:
+        monkeypatch.setenv(faults.ENV, ",".join(refused))
+        _launch(cfg, tmp_path, ps.address)
+        monkeypatch.delenv(faults.ENV)
+        assert ps.logic.version == 3
+        manifest = json.loads(open_store(f"{bucket}/run/local-0").get("mirror.json"))
+        assert manifest["checkpoints"][0]["file"] == "site-000000001.gft"  # two pushes behind
+        shutil.rmtree(site_dir)  # scratch purged
+        _launch({**cfg, "train": {**cfg["train"], "max_syncs": 5}}, tmp_path, ps.address)
+        assert ps.logic.version == 5  # syncs 2 and 3 were not applied again
+        _, meta, _ = latest(tmp_path)
+        assert meta["syncs"] == 5 and meta["version"] == 5 and meta["sampler"]["draws"] == 15  # nothing trained twice
+        asked = [e for e in events(site_dir) if e["event"] == "push_after_checkpoint"]
+        assert [e["state"] for e in asked] == ["applied"]  # the newest logged push, applied: nothing older asked
+    finally:
+        ps.stop()
 
 
 def _corpus(n: int) -> list[str]:

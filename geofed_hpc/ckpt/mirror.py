@@ -25,6 +25,9 @@ MANIFEST = "mirror.json"
 OBJECTS = "ckpt/"
 FORMAT = 1
 KEEP = 2  # checkpoints the manifest names, newest first
+PUSHES = "pushes/"  # the record of each push, written before the push goes out: pushes/<syncs after it>.json
+KEEP_PUSHES = 16  # the newest records kept: a purged site finds how far its applied work reached among them
+LOG_WAIT = timedelta(seconds=5)  # the longest a push waits for its record to reach the mirror
 STAGING = ".mirror"  # in the checkpoint folder: links to the files being uploaded (local pruning cannot take them)
 SETTING = "train.checkpoint_mirror"
 
@@ -48,7 +51,8 @@ class CheckpointMirror:
     Layout there: `ckpt/<stamp>/<file>` (each upload under a fresh stamp, so an object a manifest names is never
     overwritten), the shard folder's files beside it, and `mirror.json`, written last, naming the newest complete
     checkpoints (key, size, SHA-256 of every object) and the push record of the newest: a reader sees the previous
-    mirror or the new one, never half of one. Objects no manifest names are removed after each commit.
+    mirror or the new one, never half of one. Objects no manifest names are removed after each commit. Beside them,
+    `pushes/<syncs>.json`: the record of each push, written before it goes out (`log_push`), the newest kept.
 
     At most one upload is in flight; a checkpoint submitted meanwhile waits, and a newer one supersedes it before it
     starts. A push record (`push`) belongs to the newest checkpoint submitted: it rides in that checkpoint's manifest
@@ -60,12 +64,15 @@ class CheckpointMirror:
     thread while anyone may wait for it log: a signal handler may wait while it holds the log's lock; what they have
     to say is logged by `notes` and `settle`, on the caller's thread.
 
-    Lock: `_cond` guards `_latest`, `_done`, `_done_push`, `_thread` and the counters; uploads run without it."""
+    Lock: `_cond` guards `_latest`, `_done`, `_done_push`, `_thread`, `_logging` and the counters; uploads run
+    without it."""
 
     def __init__(self, url: str, site: str, directory: Path, retry: Retry | None = None) -> None:
         self.url = f"{url.rstrip('/')}/{site}"
         self.site = site
         self.store: Store = open_store(self.url, retry or Retry(), SETTING)
+        self._log_store: Store = open_store(self.url, Retry(attempts=2, total=LOG_WAIT), SETTING)
+        self._logging = True  # push records go to the mirror (False after one failed, until an upload succeeds)
         self.directory = directory
         shutil.rmtree(directory / STAGING, ignore_errors=True)  # links a killed job left
         self._cond = threading.Condition()
@@ -102,6 +109,24 @@ class CheckpointMirror:
                 return  # no checkpoint yet: a resume starts afresh and nothing is skipped
             self._latest.push = dict(record)
             self._kick()
+
+    def log_push(self, record: dict[str, Any]) -> None:
+        """Write the record of a push about to go out (push.json's content) to the mirror now, on the caller's
+        thread, under its count of syncs: a purged site whose newest mirrored checkpoint lags several pushes behind
+        finds them all, asks the PS which it applied, and trains none of them again. The push waits for it, at most
+        LOG_WAIT; once the store failed one, records are skipped until an upload succeeds again (a store that is
+        down never holds every sync), and `notes` says so."""
+        with self._cond:
+            if not self._logging:
+                return
+        try:
+            self._log_store.put(f"{PUSHES}{int(record['syncs']):09d}.json", json.dumps(record).encode())
+        except OSError as exc:  # StoreError is one
+            with self._cond:
+                self._logging = False
+            self._note(logging.WARNING, f"{self.site}: push records no longer reach the mirror {self.url} until it "
+                       f"takes an upload again ({exc}); purged before then, this site may train the pushes since "
+                       "its newest mirrored checkpoint again")  # fmt: skip
 
     def settle(self, wait: timedelta = timedelta(seconds=60)) -> bool:
         """Wait (at most `wait`) until the newest checkpoint and push record are in the mirror; whether they are."""
@@ -170,6 +195,7 @@ class CheckpointMirror:
                     self._discard(job)
                 continue
             with self._cond:
+                self._logging = True
                 self.uploaded += self._done is not job
                 self._done, self._done_push, self._busy = job, push, None
                 self._discard(job)  # its objects are up: a manifest written again needs no file
@@ -213,10 +239,11 @@ class CheckpointMirror:
         fault("mirror.manifest", job.path.name)
         self.store.put(MANIFEST, json.dumps(manifest, indent=1).encode())
         named = {o["key"] for row in rows for o in row["objects"]}
-        for key in self.store.listing(OBJECTS):
-            if key not in named:
-                with contextlib.suppress(StoreError):
-                    self.store.delete(key)
+        stale = [key for key in self.store.listing(OBJECTS) if key not in named]
+        stale += sorted(self.store.listing(PUSHES))[:-KEEP_PUSHES]  # zero-padded: oldest first
+        for key in stale:
+            with contextlib.suppress(StoreError):
+                self.store.delete(key)
         self._note(logging.DEBUG, f"{self.site}: checkpoint {job.path.name} mirrored to {self.url}")
 
     # ---------------------------------------------------------------- staging
@@ -270,10 +297,11 @@ def _manifest(store: Store, site: str) -> dict[str, Any]:
     return raw
 
 
-def restore(mirror: CheckpointMirror, directory: Path, push_file: str) -> tuple[Path, str] | None:
+def restore(mirror: CheckpointMirror, directory: Path, push_file: str, log_file: str) -> tuple[Path, str] | None:
     """Into an empty checkpoint folder: the newest complete checkpoint of the mirror (each object checked against
-    its size and SHA-256; a damaged one skipped for the one before), and the record of the push after it as
-    `push_file`. Its path and shard folder ("": none), or None when the mirror holds none (the site starts afresh)."""
+    its size and SHA-256; a damaged one skipped for the one before), the record of the push after it as
+    `push_file`, and the newest records of the pushes (`log_push`), oldest first, as a list in `log_file`. Its path
+    and shard folder ("": none), or None when the mirror holds none (the site starts afresh)."""
     store, where = mirror.store, mirror.store.where(MANIFEST)
     rows = _manifest(store, mirror.site).get("checkpoints", [])
     problems = []
@@ -287,6 +315,9 @@ def restore(mirror: CheckpointMirror, directory: Path, push_file: str) -> tuple[
             continue
         if row.get("push"):
             atomic_write_bytes(directory / push_file, json.dumps(row["push"]).encode(), mode=PRIVATE_FILE)
+        records = _push_log(mirror)
+        if records:
+            atomic_write_bytes(directory / log_file, json.dumps(records).encode(), mode=PRIVATE_FILE)
         logger.info("%s: local checkpoints gone; %s restored from the mirror %s", mirror.site, path.name, mirror.url)
         return path, str(row.get("shards") or "")
     if rows:
@@ -295,6 +326,20 @@ def restore(mirror: CheckpointMirror, directory: Path, push_file: str) -> tuple[
             f"or point {SETTING} at a new URL to start this site afresh"
         )
     return None
+
+
+def _push_log(mirror: CheckpointMirror) -> list[dict[str, Any]]:
+    """The push records in the mirror, oldest first; one that cannot be read is skipped with one line."""
+    records = []
+    for key in sorted(mirror.store.listing(PUSHES))[-KEEP_PUSHES:]:
+        try:
+            record = json.loads(mirror.store.get(key))
+        except (StoreError, ValueError) as exc:
+            logger.warning("%s: push record %s skipped: %s", mirror.site, mirror.store.where(key), exc)
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 def _fetch(store: Store, row: dict[str, Any], directory: Path) -> Path:

@@ -41,6 +41,7 @@ from geofed_hpc.paradigms.site import SiteParadigm
 from geofed_hpc.rpc import messages as m
 
 PUSH_RECORD = "push.json"  # the last push that went out, beside the checkpoints
+PUSH_LOG = "pushes.json"  # a site restored from its mirror: the newest pushes the mirror recorded, oldest first
 # How long a stopping job waits for the mirror's upload of its last checkpoint: well inside the lead time of the
 # signal before a time limit (submitit's USR2 comes 90 s before), so that the requeue after it still happens.
 MIRROR_WAIT = timedelta(seconds=30)
@@ -165,7 +166,7 @@ class SiteCheckpoints:
             self.mirror = CheckpointMirror(cfg.train.checkpoint_mirror, parts.replica.name, directory)
             if parts.group.rank == 0:  # it restores into the folder every rank reads; the others wait for it
                 if self.store.latest_step() is None:  # scratch purged (or a first start): the mirror's newest
-                    restored = restore(self.mirror, directory, PUSH_RECORD)
+                    restored = restore(self.mirror, directory, PUSH_RECORD, PUSH_LOG)
                     if restored and restored[1]:  # its shards, kept by the next settle
                         self.index.add(restored[0].name, restored[1])
                 else:
@@ -216,17 +217,28 @@ class SiteCheckpoints:
         atomic_write_bytes(self.store.directory / PUSH_RECORD, json.dumps(record).encode())
         if self.mirror is not None and self.parts.group.rank == 0:
             self.mirror.push(record)  # rides in the manifest of the newest checkpoint, uploaded in the background
+            self.mirror.log_push(record)  # and in its push log now, before the push goes out
 
-    def push_record(self, restored: Restored | None) -> dict[str, Any] | None:
-        """The record of a push that went out after `restored` was written (against its base), or None."""
+    def push_records(self, restored: Restored | None) -> list[dict[str, Any]]:
+        """Records of pushes that went out after `restored` was written, newest first: push.json's (made against
+        its base), then, for a site restored from its mirror, those the mirror logged past its draws."""
+        if restored is None:
+            return []
+        records = []
         try:
             record = json.loads((self.store.directory / PUSH_RECORD).read_text())
         except (OSError, ValueError):
-            return None
-        if restored is None or not isinstance(record, dict):
-            return None
-        after = record.get("base_version") == restored.version and record.get("draws", 0) > self.parts.sampler.draws
-        return record if after else None
+            record = None
+        draws = self.parts.sampler.draws
+        if isinstance(record, dict) and record.get("base_version") == restored.version:
+            records.append(record)
+        try:
+            logged = json.loads((self.store.directory / PUSH_LOG).read_text())
+        except (OSError, ValueError):
+            logged = []
+        records += [r for r in reversed(logged if isinstance(logged, list) else []) if isinstance(r, dict)]
+        newest = sorted(records, key=lambda r: int(r.get("draws", 0)), reverse=True)
+        return [r for r in newest if int(r.get("draws", 0)) > draws and "push_id" in r]
 
     @staticmethod
     def exists(directory: Path) -> bool:

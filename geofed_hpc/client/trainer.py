@@ -313,23 +313,28 @@ class SiteTrainer:
 
     def _pushed_after(self, restored: Restored | None) -> bool:
         """The job was stopped after a push went out and before the checkpoint after it (push.json is newer than
-        the checkpoint). When the PS applied that push, its work is in the global model: its batches are skipped,
-        not trained and pushed again, and the site goes on from the global model. False: nothing of the kind."""
-        record = self.ckpt.push_record(restored)
-        if record is None or self.sync.link.client is None or not self.sync.link.session.initialized:
+        the checkpoint), or it was restored from a mirror whose newest checkpoint lags several pushes behind (the
+        mirror's push log). The newest of those pushes the PS applied holds all the work before it in the global
+        model: its batches and those before are skipped, not trained and pushed again, and the site goes on from
+        the global model. False: nothing of the kind."""
+        records = self.ckpt.push_records(restored)
+        if not records or self.sync.link.client is None or not self.sync.link.session.initialized:
             return False
-        try:
-            link, push_id = self.sync.link, str(record["push_id"])
-            reply = self.sync.uplink.ask(link.connected(), link.session_id, int(record["base_version"]), push_id)
-        except GeofedError as exc:  # the PS does not answer: the checkpoint's own work goes out as usual
-            logger.warning("%s: cannot ask the PS about our last push (%s)", self.name, exc)
-            return False
-        self.events("push_after_checkpoint", push_id=record["push_id"], state=reply.push or "not held")
-        if reply.push != "applied":
+        for record in records:  # newest first
+            try:
+                link, push_id = self.sync.link, str(record["push_id"])
+                reply = self.sync.uplink.ask(link.connected(), link.session_id, int(record["base_version"]), push_id)
+            except GeofedError as exc:  # the PS does not answer: the checkpoint's own work goes out as usual
+                logger.warning("%s: cannot ask the PS about our last push (%s)", self.name, exc)
+                return False
+            self.events("push_after_checkpoint", push_id=record["push_id"], state=reply.push or "not held")
+            if reply.push == "applied":
+                break
+        else:
             return False
         sampler, progress = self.runtime.sampler, self.progress
         logger.info(
-            "%s: our push %s went in before the stop: its %d batches are skipped, not trained again",
+            "%s: our push %s went in before the stop: its %d batches (and those before) are skipped, not trained again",
             self.name,
             str(record["push_id"])[:8],
             int(record["draws"]) - sampler.draws,
