@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -86,7 +87,8 @@ def journal_rows(local: RoundJournal, remote: RoundJournal, work: Path, kb: int,
 
 def mirror_rows(url: str, checkpoint: Path) -> list[dict[str, Any]]:
     """A site checkpoint of the snapshot's size mirrored (train.checkpoint_mirror): what the training thread pays
-    (the hand-over) and the upload until its manifest is up, then the restore of a purged site."""
+    (the hand-over) and the upload until its manifest is up, a push's record (each sync waits for it), then the
+    restore of a purged site."""
     folder = checkpoint.parent / "site"
     folder.mkdir()
     path = folder / "site-000000001.gft"
@@ -97,13 +99,16 @@ def mirror_rows(url: str, checkpoint: Path) -> list[dict[str, Any]]:
     mirror.settle(timedelta(hours=1))
     total = time.perf_counter() - t0
     size = path.stat().st_size
+    records = [{"push_id": f"p{n}", "base_version": n, "draws": n, "syncs": n} for n in range(20)]
+    logged = statistics.median(timed(lambda r=r: mirror.log_push(r)) for r in records)
     purged = checkpoint.parent / "purged"
-    back = timed(lambda: restore(mirror, purged, "push.json"))
+    back = timed(lambda: restore(mirror, purged, "push.json", "pushes.json"))
     shutil.rmtree(purged, ignore_errors=True)
     return [
         row("site checkpoint mirror: s3 (upload + manifest)", size, total),
         row("site checkpoint mirror: s3, on the training thread", size, handed),
-        row("site checkpoint restore: s3 (download + sha256 check)", size, back),
+        row("site push record: s3, before each push (median of 20)", len(json.dumps(records[0])), logged),
+        row("site checkpoint restore: s3 (download, sha256, push log)", size, back),
     ]
 
 
