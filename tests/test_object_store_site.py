@@ -76,6 +76,7 @@ def test_checkpoints_mirror_in_the_background_newest_first_each_visible_once_com
     mirror.submit(_checkpoint(folder, 4, 1000))
     assert mirror.settle() and mirror.failed == 1
     faults.install("")
+    mirror.store.put("pushes/000000099.json", b"{not json")  # a damaged record: skipped, with one line
     restored = tmp_path / "purged"
     assert restore(CheckpointMirror(url, "osc-0", restored), restored, "push.json", "pushes.json") == (
         restored / "site-000000003.gft",
@@ -84,7 +85,7 @@ def test_checkpoints_mirror_in_the_background_newest_first_each_visible_once_com
     assert (restored / "site-000000003.gft").read_bytes() == (folder / "site-000000003.gft").read_bytes()
     assert json.loads((restored / "push.json").read_text())["push_id"] == "p3"
     logged = json.loads((restored / "pushes.json").read_text())
-    assert [r["push_id"] for r in logged] == [f"q{n}" for n in range(5, 21)]  # oldest first
+    assert [r["push_id"] for r in logged] == [f"q{n}" for n in range(6, 21)]  # the newest 16 keys, oldest first
 
     # a damaged newest object: the one before it is restored; none intact: one line, nothing started
     store = open_store(f"{url}/osc-0")

@@ -331,7 +331,12 @@ def restore(mirror: CheckpointMirror, directory: Path, push_file: str, log_file:
 def _push_log(mirror: CheckpointMirror) -> list[dict[str, Any]]:
     """The push records in the mirror, oldest first; one that cannot be read is skipped with one line."""
     records = []
-    for key in sorted(mirror.store.listing(PUSHES))[-KEEP_PUSHES:]:
+    try:
+        keys = sorted(mirror.store.listing(PUSHES))[-KEEP_PUSHES:]
+    except StoreError as exc:
+        logger.warning("%s: the mirror's push records cannot be listed, none used: %s", mirror.site, exc)
+        return []
+    for key in keys:
         try:
             record = json.loads(mirror.store.get(key))
         except (StoreError, ValueError) as exc:

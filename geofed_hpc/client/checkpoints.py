@@ -136,6 +136,23 @@ def _staged(arrays: Mapping[str, np.ndarray], copy_all: bool) -> dict[str, np.nd
     return {k: np.array(v, copy=True) if copy_all else v for k, v in arrays.items()}
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_record(record: Any) -> bool:
+    """A push record as record_push writes it (one from the mirror may be anything)."""
+    numbers = ("base_version", "tokens", "draws", "tokens_seen", "syncs")
+    return (
+        isinstance(record, dict)
+        and isinstance(record.get("push_id"), str)
+        and all(isinstance(record.get(k), int) and not isinstance(record.get(k), bool) for k in numbers)
+    )
+
+
 class SiteCheckpoints:
     """Writes and reads the site's checkpoints in `directory` (site-<syncs>.gft, the two latest kept, each with all
     a resume needs; the train.keep_best lowest validation losses in best/, the model's weights only). Every part's
@@ -224,21 +241,14 @@ class SiteCheckpoints:
         its base), then, for a site restored from its mirror, those the mirror logged past its draws."""
         if restored is None:
             return []
-        records = []
-        try:
-            record = json.loads((self.store.directory / PUSH_RECORD).read_text())
-        except (OSError, ValueError):
-            record = None
-        draws = self.parts.sampler.draws
-        if isinstance(record, dict) and record.get("base_version") == restored.version:
-            records.append(record)
-        try:
-            logged = json.loads((self.store.directory / PUSH_LOG).read_text())
-        except (OSError, ValueError):
-            logged = []
-        records += [r for r in reversed(logged if isinstance(logged, list) else []) if isinstance(r, dict)]
-        newest = sorted(records, key=lambda r: int(r.get("draws", 0)), reverse=True)
-        return [r for r in newest if int(r.get("draws", 0)) > draws and "push_id" in r]
+        record = _read_json(self.store.directory / PUSH_RECORD)
+        records = [record] if _is_record(record) and record["base_version"] == restored.version else []
+        logged = _read_json(self.store.directory / PUSH_LOG)
+        records += [r for r in (logged if isinstance(logged, list) else []) if _is_record(r)]
+        newest: dict[str, dict[str, Any]] = {}
+        for r in sorted(records, key=lambda r: int(r["draws"]), reverse=True):
+            newest.setdefault(str(r["push_id"]), r)
+        return [r for r in newest.values() if int(r["draws"]) > self.parts.sampler.draws]
 
     @staticmethod
     def exists(directory: Path) -> bool:
