@@ -116,7 +116,8 @@ def _first_reachable(address: str, dial: Callable[[str, int], None]) -> None:
             failed.append(f"nothing answers at {one} from here ({exc.strerror or exc})")
         except UnavailableError as exc:
             failed.append(str(exc))
-    raise UnavailableError("; ".join(failed) or f"ps.address {address!r} names no PS")
+    # each reason once: a proxy that does not answer is said once, not once a PS
+    raise UnavailableError("; ".join(dict.fromkeys(failed)) or f"ps.address {address!r} names no PS")
 
 
 def probe_direct(route: Route, cfg: RunConfig, timeout: timedelta) -> float:
