@@ -153,7 +153,7 @@ def test_a_purged_site_resumes_from_its_mirror_bit_for_bit_reading_its_shards_fr
 
 
 def test_a_push_record_the_store_refuses_pauses_the_log_until_an_upload_succeeds(
-    s3_env: S3Server, tmp_path: Path, no_faults: Any, caplog: pytest.LogCaptureFixture
+    s3_env: S3Server, tmp_path: Path, no_faults: Any, warnings_log: pytest.LogCaptureFixture
 ) -> None:
     folder = tmp_path / "ckpt"
     folder.mkdir()
@@ -169,7 +169,7 @@ def test_a_push_record_the_store_refuses_pauses_the_log_until_an_upload_succeeds
     assert sorted(mirror.store.listing("pushes/")) == ["pushes/000000001.json"]
     mirror.submit(_checkpoint(folder, 3, 1000))
     assert mirror.settle() and mirror.uploaded == 1  # the store takes uploads again: so the log
-    assert "push records no longer reach the mirror" in caplog.text
+    assert "push records no longer reach the mirror" in warnings_log.text
     mirror.log_push(record(4))
     assert sorted(mirror.store.listing("pushes/")) == ["pushes/000000001.json", "pushes/000000004.json"]
 
