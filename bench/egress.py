@@ -171,8 +171,7 @@ def main() -> None:
     if "direct" not in paths or len(paths) != len(args.paths.split(",")):
         sys.exit(f"bench/egress.py: --paths must name direct and only paths of {', '.join(PATHS)}")
     binary = squid_binary() if args.proxy == "squid" else tinyproxy_binary()
-    install = "apt-get install squid, as root; or --proxy tinyproxy" if args.proxy == "squid" else "`make install`"
-    reason = unavailable_reason() or ("" if binary else f"{args.proxy} is not installed ({install})")
+    reason = unavailable_reason() or ("" if binary else f"{args.proxy} is not installed (`make install`, as root)")
     reason = reason or sshd_unavailable()
     if reason:
         sys.exit(f"bench/egress.py: {reason}")

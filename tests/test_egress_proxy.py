@@ -33,7 +33,7 @@ needs_proxy = pytest.mark.skipif(
     not tinyproxy_binary(),
     reason="tinyproxy is not installed (`make install` installs it as root where apt-get is available)",
 )
-NO_SQUID = "squid is not installed (as root: apt-get install squid)"
+NO_SQUID = "squid is not installed (`make install` installs it as root where apt-get is available)"
 # the proxies a cluster's login node runs: each test of the path through one runs with both
 KINDS = [
     pytest.param(TinyProxy, marks=needs_proxy, id="tinyproxy"),

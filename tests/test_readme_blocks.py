@@ -258,7 +258,7 @@ PLANS: dict[str, list[Line]] = {
         Line(
             "sudo .venv/bin/python bench/egress.py --json bench/results/egress.json",
             NOT_HERE,
-            "a benchmark, not a check: root, namespaces, tinyproxy (tests/test_egress_topology.py runs the paths)",
+            "a benchmark, not a check: root, namespaces, squid (tests/test_egress_topology.py runs the paths)",
         ),
         Line(
             "sudo .venv/bin/python bench/goodput.py --json bench/results/goodput.json",

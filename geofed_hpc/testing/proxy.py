@@ -128,7 +128,7 @@ class TinyProxy(_Proxy):
 
 
 def squid_binary() -> str:
-    """The squid executable, or '' when it is not installed (as root: `apt-get install squid`)."""
+    """The squid executable, or '' when it is not installed (`make install` installs it as root with apt)."""
     return shutil.which("squid") or ("/usr/sbin/squid" if Path("/usr/sbin/squid").is_file() else "")
 
 
