@@ -178,7 +178,7 @@ def test_every_base_a_site_moves_onto_is_the_ps_model_of_its_version_bit_for_bit
     training (the steps since the push kept). An observer records the PS's model digest at every version; every
     base a site pulled (by the PS's updates, applied to its copy) has that digest, and no replica diverged. The
     PS's token count per site is what it trained: no step lost or applied twice."""
-    ps = make_ps(tmp_path, aggregation="sync")
+    ps = make_ps(tmp_path, aggregation="sync", min_sites=2, round_timeout="2m")  # both sites in every round
     core = ps.logic.core
     seen: dict[int, str] = {}
     stop = threading.Event()
