@@ -38,14 +38,15 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return bible_shards(tmp_path_factory, 2)
 
 
-def run_config(folder: Path, shards: Path, name: str, port: int = 0, **paradigm: Any) -> RunConfig:
+def run_config(folder: Path, shards: Path, name: str, port: int = 0, sites: int = 1, **paradigm: Any) -> RunConfig:
+    """`sites`: the PS's ps.min_sites (2: rounds of both sites, however late one starts)."""
     return RunConfig(
         federation="s",
         run_dir=str(folder / "run"),
         wandb_mode="disabled",
         site=SiteConfig(num_sites=2),
         model=MODEL,
-        ps=ps_config(port=port, state_dir=str(folder / "ps"), round_timeout="60s", retry_budget="90s"),
+        ps=ps_config(port=port, state_dir=str(folder / "ps"), round_timeout="60s", retry_budget="90s", min_sites=sites),
         codec=CodecConfig(name="fp32"),
         data=DataConfig(source=str(shards), val_batches=2),
         train=TrainConfig(batch_size=4, lr=3e-3, sync_interval="60s", max_local_steps=STEPS, max_syncs=SYNCS),
@@ -76,7 +77,7 @@ def composed_losses(folder: Path, site: str) -> list[float]:
 def test_two_sites_lower_the_composed_loss_and_alignment_keeps_its_interval(
     tmp_path: Path, shards: Path, name: str
 ) -> None:
-    cfg = run_config(tmp_path, shards, name)
+    cfg = run_config(tmp_path, shards, name, sites=2)
     ps = ParameterServer(cfg)
     try:
         run_sites(cfg, tmp_path, ps.address)
@@ -120,7 +121,8 @@ def test_the_server_part_survives_a_ps_kill_and_restart(tmp_path: Path, shards: 
     cfg = run_config(tmp_path, shards, "fsl_sage", port=port)
     model = [f"model.{k}={v}" for k, v in to_dict(MODEL).items() if k in ("context", "d_model", "n_heads", "d_ff")]
     fsl = [f"paradigm.{k}={v}" for k, v in FSL.items()]
-    overrides = ("paradigm=fsl_sage", *fsl, *model, f"train.max_local_steps={STEPS}", "ps.round_timeout=60s")
+    rounds = ("ps.round_timeout=60s", "ps.min_sites=2")  # rounds of both sites, however late one starts
+    overrides = ("paradigm=fsl_sage", *fsl, *model, f"train.max_local_steps={STEPS}", *rounds)
     metrics = state / "metrics" / "ps.metrics.jsonl"
     sites = []
     try:
