@@ -180,7 +180,8 @@ def test_a_purged_site_whose_mirror_lags_two_pushes_trains_neither_again(
 ) -> None:
     """The store refuses the checkpoints after the first sync, so the mirror's newest checkpoint is two pushes
     behind when the site's folder is purged. The pushes' records reached the mirror before each push went out: the
-    resumed site asks the PS, skips the batches of both applied pushes and goes on from the global model."""
+    resumed site asks the PS, skips the batches of both applied pushes and goes on from the global model. Records
+    that are not push records (cut, or of the wrong shape) are passed over."""
     bucket = s3_env.make_bucket("lagging-mirror")
     ps = make_ps(tmp_path)
     site_dir = tmp_path / "run" / "sites" / "local-0"
@@ -195,6 +196,11 @@ def test_a_purged_site_whose_mirror_lags_two_pushes_trains_neither_again(
         manifest = json.loads(open_store(f"{bucket}/run/local-0").get("mirror.json"))
         assert manifest["checkpoints"][0]["file"] == "site-000000001.gft"  # two pushes behind
         shutil.rmtree(site_dir)  # scratch purged
+        logged = open_store(f"{bucket}/run/local-0")  # beside the real records, ones the site must pass over
+        shaped = {"push_id": "x", "base_version": 3, "tokens": 1, "tokens_seen": 1, "syncs": 9}
+        junk = [b"{cut", b"[3, 4]", {**shaped, "push_id": 7, "draws": 99}, {**shaped, "draws": 99.5}]
+        for n, record in enumerate(junk):
+            logged.put(f"pushes/00000009{n}.json", record if isinstance(record, bytes) else json.dumps(record).encode())
         _launch({**cfg, "train": {**cfg["train"], "max_syncs": 5}}, tmp_path, ps.address)
         assert ps.logic.version == 5  # syncs 2 and 3 were not applied again
         _, meta, _ = latest(tmp_path)
