@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,7 +14,7 @@ from typing import Any
 import pytest
 
 from geofed_hpc.testing.federation import PS_PORT, WanFederation
-from geofed_hpc.testing.wan import Wan
+from geofed_hpc.testing.wan import Wan, unavailable_reason
 from tests.conftest_wan import CONGESTION_CONTROL, LINKS, wan  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.wan, pytest.mark.slow]
@@ -38,6 +40,18 @@ c = socket.create_connection((sys.argv[1], 7000), timeout=10)
 connect = time.monotonic() - t
 c.sendall(b"ping"); c.recv(4)
 print(c.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\\0").decode(), connect)
+"""
+# What a benchmark does (bench/wan.py, egress.py, goodput.py): namespaces, a process inside, then a long run.
+BENCHMARK = """
+import sys, time
+from pathlib import Path
+from geofed_hpc.testing.wan import NEAR, Wan, exit_on_sigterm
+if sys.argv[2] == "handled":
+    exit_on_sigterm()
+with Wan({"near": NEAR}, Path(sys.argv[1])) as lab:
+    child = lab.popen(lab.site_ns("near"), ["sleep", "600"], Path(sys.argv[1]) / "sleep.log")
+    print(lab.ps_ns, lab.site_ns("near"), child.pid, flush=True)
+    time.sleep(600)
 """
 
 
@@ -132,3 +146,48 @@ def test_wan_is_skipped_with_a_reason_when_not_root() -> None:
     if out.returncode != 0:
         pytest.skip(f"cannot drop to an unprivileged user here: {out.stderr.strip()[-200:]}")
     assert "need root" in out.stdout
+
+
+def test_a_benchmark_stopped_with_sigterm_leaves_no_namespace_and_no_process(tmp_path: Path) -> None:
+    """`timeout` and `kill` send SIGTERM: with `exit_on_sigterm` the run leaves as on Ctrl-C, through `Wan.close`
+    (its namespaces deleted, its link forwarders and the process it started inside ended)."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"emulated WAN unavailable: {reason}")
+    run = subprocess.Popen(
+        [sys.executable, "-c", BENCHMARK, str(tmp_path), "handled"], stdout=subprocess.PIPE, text=True
+    )
+    names: list[str] = []
+    try:
+        assert run.stdout is not None
+        *names, pid = run.stdout.readline().split()  # the namespaces are up, the child runs
+        assert set(names) <= set(netns_list()) and processes_naming(names[0])
+        run.terminate()
+        assert run.wait(timeout=60) == 128 + 15
+        assert not set(names) & set(netns_list())
+        assert not processes_naming(names[0]) and not Path(f"/proc/{pid}").exists()
+    finally:  # what a broken run left behind, for the next tests
+        run.kill()
+        run.wait()
+        for left in {p for ns in names for p in processes_naming(ns)}:
+            os.kill(left, signal.SIGKILL)
+        for ns in set(names) & set(netns_list()):
+            subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
+def netns_list() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def processes_naming(namespace: str) -> list[int]:
+    """Processes whose command line names `namespace` (the link forwarders), or that run inside it."""
+    found = [int(pid) for pid in subprocess.run(["ip", "netns", "pids", namespace], capture_output=True,
+                                                 text=True, check=False).stdout.split()]  # fmt: skip
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and namespace.encode() in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
