@@ -60,6 +60,10 @@ def test_the_sync_decision() -> None:
     assert decide([point(count=2, active=2, expect=6), point(count=3, active=3)]).action == "wait"  # one is back
     assert decide([point(count=2, active=2, expect=6), point(count=4, active=4)]).action == "close"  # both are
     assert decide([*lost[:1], point(count=2, active=2, timed_out=True)]).action == "close"  # or the deadline passed
+    late = [point(count=2, active=2, min_sites=6), point(count=2, active=2, min_sites=6)]  # ps.min_sites=6
+    assert decide(late).action == "wait"  # 4 of the group's sites are in: the late ones join this round
+    assert decide([*late[:1], point(count=4, active=4, min_sites=6)]).action == "close"
+    assert decide([*late[:1], point(count=2, active=2, min_sites=6, timed_out=True)]).action == "close"
 
 
 def test_peer_settings_are_checked() -> None:

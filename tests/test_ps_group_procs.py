@@ -117,7 +117,8 @@ def test_three_peers_with_two_sites_each_hold_identical_models_while_the_loss_fa
     cfg: dict[str, Any] = site_cfg(tmp_path, shards6, max_syncs=SYNCS, sites=3 * SITES_PER_PS)
     cfg["ps"]["retry_budget"] = "120s"
     sites: list[Site] = []
-    with peers(tmp_path) as group:
+    rounds = ["ps.min_sites=6", "ps.round_timeout=10m"]  # rounds of all six sites, however late one starts
+    with peers(tmp_path, extra={i: rounds for i in range(3)}) as group:
         wait_for(group.ready, 120, "three peers serving")
         try:
             for i in range(3 * SITES_PER_PS):

@@ -82,7 +82,7 @@ class PSConfig:
     """buffered: deltas per update."""
     min_sites: AtLeastOne = 1
     """sync: a round closes before its deadline only once this many sites pushed (so sites that start late join
-    the first round)."""
+    the first round); in a PS group, this many sites of the whole group."""
     round_timeout: Duration = timedelta(minutes=2)
     """sync: a round closes at the latest this long after it opened; buffered: after its first delta."""
     max_staleness: Annotated[StrictInt, Field(ge=0)] = 4

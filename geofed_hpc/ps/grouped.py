@@ -69,6 +69,7 @@ class GroupedCoordinator(Coordinator):
             init, version = self.model.initialized, self.model.version
             point = SyncPoint(init, version, digest, r.count, complete, timed_out, bool(self._seeds))
             point.active = len(active)
+            point.min_sites = self.cfg.min_sites if self.strategy.waits_for_sites else 0
         records = self.token_records()
         point.tokens = hashlib.sha256(records).hexdigest() if records else ""
         return point

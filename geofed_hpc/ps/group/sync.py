@@ -28,6 +28,7 @@ class SyncPoint:
     tokens: str = ""  # the digest of its enrollment token records ("": it keeps none, having no state directory)
     active: int = 0  # sites active on this PS
     expect: int = 0  # sites the group had before it lost a peer: a sync round waits for them to come back
+    min_sites: int = 0  # sync: ps.min_sites, the sites of the group (all peers) that must push before a round closes
 
     def pack(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -67,7 +68,8 @@ def decide(points: list[SyncPoint]) -> Decision:
     that has it (adopt); the same version under different digests: the peers outside the majority take the model
     of the majority's lowest peer (mismatch; without a majority all of them stop); else the group's round closes
     once it holds a delta and every peer's sites pushed, with as many sites active as any peer expects (the sites
-    of a peer the group lost, failing over), or once any peer's deadline passed (close)."""
+    of a peer the group lost, failing over) and as many deltas as ps.min_sites (sites that start late join the first
+    round), or once any peer's deadline passed (close)."""
     joiners = sorted({j for p in points for j in p.joiners})
     if joiners:
         return Decision("reform", peers=joiners)
@@ -89,6 +91,7 @@ def decide(points: list[SyncPoint]) -> Decision:
         good = min((i for i, p in enumerate(points) if majority and p.digest == majority), default=-1)
         return Decision("mismatch", good, [i for i, p in enumerate(points) if p.digest != majority], majority)
     everyone = all(p.complete for p in points) and sum(p.active for p in points) >= max(p.expect for p in points)
+    everyone = everyone and sum(p.count for p in points) >= max(p.min_sites for p in points)
     if sum(p.count for p in points) and (everyone or any(p.timed_out for p in points)):
         return Decision("close")
     return Decision("wait")
