@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,10 +50,13 @@ def test_ctrl_c_stops_every_site_with_a_checkpoint_and_a_rerun_resumes(tmp_path:
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
     reader.start()
+
+    def training() -> bool:  # a sync made, and both sites past their start (one may start late on a busy machine)
+        synced = any(re.match(r"^local-\d\s+1\s", ln) for ln in lines)
+        return synced and all(any(e["event"] == "first_step" for e in site_events(run_dir, s)) for s in SITES)
+
     try:
-        wait_for(
-            lambda: any(re.match(r"^local-\d\s+1\s", ln) for ln in lines) or proc.poll() is not None, 300, "a sync"
-        )
+        wait_for(lambda: training() or proc.poll() is not None, 300, "a sync, with both sites training")
         assert proc.poll() is None, "".join(lines)
         os.killpg(proc.pid, signal.SIGINT)
         code = proc.wait(timeout=180)
@@ -69,7 +73,7 @@ def test_ctrl_c_stops_every_site_with_a_checkpoint_and_a_rerun_resumes(tmp_path:
     assert "Traceback" not in logs and "KeyboardInterrupt" not in logs, logs[-3000:]
     stopped_at = {}
     for site in SITES:
-        events = read_jsonl(run_dir / "sites" / site / "events.jsonl")
+        events = site_events(run_dir, site)
         assert any(e["event"] == "signal" and e["signal"] == "SIGTERM" for e in events), events[-5:]
         _, meta, _ = CheckpointStore(run_dir / "sites" / site / "ckpt", prefix="site").load_latest()
         stopped_at[site] = meta["syncs"]
@@ -84,3 +88,8 @@ def test_ctrl_c_stops_every_site_with_a_checkpoint_and_a_rerun_resumes(tmp_path:
         records = read_jsonl(run_dir / "metrics" / f"{site}.metrics.jsonl")
         syncs = [r["sync/index"] for r in records if "train/loss" in r]
         assert syncs == [1, 2, 3, 4], (site, syncs)  # four syncs in the run, across its two launches
+
+
+def site_events(run_dir: Path, site: str) -> list[dict[str, Any]]:
+    path = run_dir / "sites" / site / "events.jsonl"
+    return read_jsonl(path) if path.exists() else []
