@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "torch_loop.py"
 HF_EXAMPLE = REPO / "examples" / "hf_trainer.py"
 TOKENS_PER_STEP = 32 * 4  # the example's batch x context
+EVERY = 1000  # the script job's steps per sync: the syncs after its second take seconds, so the SIGTERM lands mid-run
 
 
 def run_example(script: Path, folder: Path, address: str, *args: str, faults: str = "") -> tuple[int, str, dict]:
@@ -201,9 +202,9 @@ def test_a_script_job_stopped_by_slurms_requeue_signal_resumes_with_nothing_lost
     port = free_port()
     address, run = f"127.0.0.1:{port}", tmp_path / "run"
     overrides = [f"run_dir={run}", "wandb_mode=disabled"]
-    cfg = to_dict(replace(plain_config(None, overrides), script=[str(EXAMPLE), "--steps=300"]))
+    cfg = to_dict(replace(plain_config(None, overrides), script=[str(EXAMPLE), f"--steps={10 * EVERY}"]))
     site_dir = run / "sites" / "local-0"
-    with ps_process(tmp_path / "ps", port, "", "async", "train.max_local_steps=30"):
+    with ps_process(tmp_path / "ps", port, "", "async", f"train.max_local_steps={EVERY}"):
         first = SiteProcs(cfg, tmp_path / "job", address)
         try:
             wait_for(lambda: any(e["event"] == "pulled" and e["version"] >= 2 for e in events(site_dir)), 120, "syncs")
@@ -214,13 +215,13 @@ def test_a_script_job_stopped_by_slurms_requeue_signal_resumes_with_nothing_lost
         stopped = [e for e in events(site_dir) if e["event"] == "stop"]
         assert len(stopped) == 1 and stopped[0]["signal"] == "SIGTERM", first.output()
         version, tokens = ps_view(address)
-        assert version < 10 and tokens == {"local-0": version * 30 * TOKENS_PER_STEP}  # cut short, mid-run
+        assert version < 10 and tokens == {"local-0": version * EVERY * TOKENS_PER_STEP}  # cut short
         again = SiteProcs(cfg, tmp_path / "job", address)
         try:
             assert again.wait(timeout=180) == [0], again.output()
         finally:
             again.close()
-        assert ps_view(address) == (10, {"local-0": 300 * TOKENS_PER_STEP})  # every step pushed once
+        assert ps_view(address) == (10, {"local-0": 10 * EVERY * TOKENS_PER_STEP})  # every step pushed once
     assert again.results() == [{"site": "local-0", "script": str(EXAMPLE)}]
     ready = [e for e in events(site_dir) if e["event"] == "ready"]
     assert [e["source"] for e in ready] == ["fresh", "local"] and ready[1]["steps"] == stopped[0]["steps"]
