@@ -37,7 +37,7 @@ from tests.test_tls import ps_init
 
 REPO = Path(__file__).resolve().parents[1]
 FP32 = CodecConfig(name="fp32")
-IDLE = 5.0  # ps.stream_idle_timeout of the PS under test, seconds
+IDLE = 10.0  # ps.stream_idle_timeout of the PS under test, seconds (what a test does within it fits on a busy machine)
 CODE = grpc.StatusCode
 # Settings of the PS under test: small limits, so that an attack reaches them with a few calls.
 LIMITS = {
@@ -303,7 +303,7 @@ def test_stalled_pushes_are_ended_by_the_idle_timeout_and_hold_at_most_their_sha
         assert legit_push(client, legit.session_id).accepted
         assert not [h for h in stalled if h.future.done()]
         for h in stalled:  # ended within ps.stream_idle_timeout: idle with a receiving slot, or waiting for osc's
-            code = h.code(timeout=30)
+            code = h.code(timeout=60)
             assert code in (CODE.DEADLINE_EXCEEDED, CODE.RESOURCE_EXHAUSTED), code
             assert ("ps.stream_idle_timeout" if code == CODE.DEADLINE_EXCEEDED else "busy with other pushes") in (
                 h.details()
@@ -350,7 +350,7 @@ def test_idle_streams_of_many_sessions_leave_threads_for_join_heartbeat_and_stat
             assert client.heartbeat(m.HeartbeatRequest(osc.session_id)).version >= 1
             assert client.status(edge.admin).streams == streams
         for h in held:  # ended by the PS: idle with a receiving slot, or waiting for one, ps.stream_idle_timeout
-            assert h in refused or h.code(timeout=30) in (CODE.DEADLINE_EXCEEDED, CODE.RESOURCE_EXHAUSTED)
+            assert h in refused or h.code(timeout=60) in (CODE.DEADLINE_EXCEEDED, CODE.RESOURCE_EXHAUSTED)
             h.release.set()
     wait_for(lambda: edge_streams(edge) == 0, 30, "every stream to be released")
 
