@@ -420,7 +420,7 @@ def test_a_token_issued_or_revoked_on_one_peer_holds_on_every_peer(tmp_path: Pat
 
 def test_async_peers_pool_their_sites_deltas_and_apply_them_together_every_interval() -> None:
     params = small_params()
-    with group_of(2, aggregation="async", peer_sync_interval="400ms", peer_codec="fp32") as servers:
+    with group_of(2, aggregation="async", peer_sync_interval="3s", peer_codec="fp32") as servers:
         clients = [client(s) for s in servers]
         try:
             sessions = join_and_seed(servers, clients, params)
