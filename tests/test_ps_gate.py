@@ -48,7 +48,8 @@ def test_who_a_credential_proves_per_method(tmp_path: Path) -> None:
     assert gate.authenticate("Join", "") == Principal("open")  # no token issued: an open PS
     session = logic.join(m.JoinRequest("osc")).session_id
     assert gate.authenticate("Heartbeat", session) == Principal("session", "osc", handle_of(session))
-    for bad in ("", handle_of(session), session[:-2] + "xx", "gfs_" + "0" * 16 + "_" + "a" * 32):
+    other = session[:-1] + ("A" if session[-1] != "A" else "B")  # the secret with its last character changed
+    for bad in ("", handle_of(session), other, "gfs_" + "0" * 16 + "_" + "a" * 32):
         with pytest.raises(AuthError):
             gate.authenticate("PushDelta", bad)
     token, record = TokenFile(tmp_path / "tokens.json").issue("osc", timedelta(days=1))

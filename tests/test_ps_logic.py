@@ -17,6 +17,7 @@ from geofed_hpc.ps.sessions import handle_of
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.stream import collect, digest, to_chunks
 from tests.conftest import ps_config, small_params
+from tests.site_procs import wait_for
 
 FP32 = CodecConfig(name="fp32")
 
@@ -358,6 +359,7 @@ def test_a_push_waits_for_a_receive_slot_and_gives_up_busy_with_a_retry_hint() -
     replies: list = []
     holder = threading.Thread(target=lambda: replies.append(logic.push_delta(slow())))
     holder.start()
+    wait_for(lambda: logic._receiving.in_use == 1, 30, "the slow push to hold the receiving slot")
     with pytest.raises(LimitError, match="busy with other pushes") as busy:  # after ps.stream_idle_timeout
         push(logic, b, 0, full(params, 1.0))
     assert busy.value.retry_after is not None
