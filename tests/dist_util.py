@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -12,27 +13,37 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+_HANDED: set[int] = set()  # ports this test process handed out (a pair's second included): none is handed out twice
+
 
 def free_port() -> int:
-    """A loopback port that was free a moment ago (each distributed test takes its own)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port that was free a moment ago, below the kernel's ephemeral range (see free_pair): a PS
+    restarted on it after an outage does not find it taken by an outgoing connection that dialled it meanwhile."""
+    return _pick(1)
 
 
 def free_pair() -> int:
     """A loopback port p, with p + 1 (where a PS group peer serves its store), both free a moment ago and both below
     the kernel's ephemeral range: the peers' own outgoing connections (store probes, gloo) take their source ports
     from that range, so one could otherwise land on a port a peer is about to listen on."""
+    return _pick(2)
+
+
+def _pick(span: int) -> int:
+    """The first of `span` consecutive free ports in [20000, 32766), none of them handed out before."""
     rng = random.Random()
     while True:
-        port = rng.randrange(20000, 32766)
+        port = rng.randrange(20000, 32766 - span)
+        wanted = set(range(port, port + span))
+        if wanted & _HANDED:
+            continue
         try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
+            with contextlib.ExitStack() as held:
+                for p in wanted:
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", p))
         except OSError:
             continue
+        _HANDED.update(wanted)
         return port
 
 
