@@ -73,13 +73,19 @@ def live_ps(request: pytest.FixtureRequest) -> Iterator[Any]:
 
 @pytest.fixture
 def warnings_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """Capture geofed_hpc records even when setup_logging() turned propagation off."""
+    """Capture geofed_hpc's records from INFO up, each once, whatever level and propagation earlier tests'
+    setup_logging() left (restored afterwards)."""
+    level, propagate = logger.level, logger.propagate
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # through caplog's handler only, not also through the root logger's
     logger.addHandler(caplog.handler)
     caplog.handler.setLevel(logging.DEBUG)
     try:
         yield caplog
     finally:
         logger.removeHandler(caplog.handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 @pytest.fixture(scope="session")
