@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,14 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist_util import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "geofed_hpc.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(args: list[str], cwd: Path | None = None, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:

@@ -25,18 +25,13 @@ from geofed_hpc.ps.app import ParameterServer
 from geofed_hpc.rpc import messages as m
 from geofed_hpc.rpc.client import PSClient
 from tests.conftest import ps_config, small_params
+from tests.dist_util import free_port
 
 PS_METRICS = [n for n in METRIC_HELP if n.startswith("ps/")]
 # Metrics only a GPU site has: the CPU-only test federation below must not log them (no CUDA, nothing to measure).
 GPU_ONLY = ["sys/gpu_util", "sys/gpu_mem_gb"]
 # Metrics of split learning (paradigm fsl_sage or split; tests/test_split.py checks them): not in this federation.
 SITE_METRICS = [n for n in METRIC_HELP if not n.startswith(("ps/", "split/")) and n not in GPU_ONLY]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int) -> str:
