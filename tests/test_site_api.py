@@ -204,7 +204,7 @@ def test_a_script_job_stopped_by_slurms_requeue_signal_resumes_with_nothing_lost
     overrides = [f"run_dir={run}", "wandb_mode=disabled"]
     cfg = to_dict(replace(plain_config(None, overrides), script=[str(EXAMPLE), f"--steps={10 * EVERY}"]))
     site_dir = run / "sites" / "local-0"
-    with ps_process(tmp_path / "ps", port, "", "async", f"train.max_local_steps={EVERY}"):
+    with ps_process(tmp_path / "ps", port, "", "async", f"train.max_local_steps={EVERY}", "train.sync_interval=10m"):
         first = SiteProcs(cfg, tmp_path / "job", address)
         try:
             wait_for(lambda: any(e["event"] == "pulled" and e["version"] >= 2 for e in events(site_dir)), 120, "syncs")

@@ -388,8 +388,11 @@ def test_a_users_script_job_is_requeued_by_slurm_and_resumes_with_nothing_lost_o
     holds every step's tokens once."""
     from geofed_hpc.ps.app import ParameterServer
 
-    steps, every = 600, 30  # a push every 30 optimizer steps (the PS's cadence): 20 versions in all
-    cfg, _ = compose_config(["ps.aggregation=async", "ps.max_staleness=1000", f"train.max_local_steps={every}"])
+    # a push every 1000 optimizer steps (the PS's cadence): 20 versions in all, and the run goes on for seconds after
+    # the second, so the signal lands mid-run however slowly the test sees that version
+    steps, every = 20_000, 1000
+    cadence = [f"train.max_local_steps={every}", "train.sync_interval=10m"]  # steps alone, however slow a step
+    cfg, _ = compose_config(["ps.aggregation=async", "ps.max_staleness=1000", *cadence])
     server = ParameterServer(cfg)
     try:
         run_dir, example = tmp_path / "run", REPO / "examples" / "torch_loop.py"
