@@ -171,7 +171,8 @@ def test_a_killed_peers_sites_fail_over_nothing_is_lost_or_doubled_and_it_rejoin
     cfg["ps"].update(retry_budget="120s", failover_after="3s")
     sites: list[Site] = []
     alive = [i for i in range(3) if i != killed]
-    with peers(tmp_path, extra={i: ["ps.peer_timeout=10s"] for i in range(3)}) as group:
+    # ps.min_sites=6: rounds of all six sites, so none finishes before the last one started and the kill
+    with peers(tmp_path, extra={i: ["ps.peer_timeout=10s", "ps.min_sites=6"] for i in range(3)}) as group:
         wait_for(group.ready, 120, "three peers serving")
         try:
             for i in range(3 * SITES_PER_PS):
