@@ -225,7 +225,9 @@ def test_sigterm_applies_the_open_round_and_snapshots(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_site_reseeds_a_ps_that_lost_everything_and_keeps_a_bit_identical_copy(tmp_path: Path, caplog) -> None:
+def test_site_reseeds_a_ps_that_lost_everything_and_keeps_a_bit_identical_copy(
+    tmp_path: Path, warnings_log: pytest.LogCaptureFixture
+) -> None:
     """A real SiteTrainer: trains 2 syncs (pulling int8 updates), the PS is replaced by an empty one, and the
     site's next run re-seeds it from its checkpoint at version 2 and carries on."""
     from geofed_hpc.cli import compose_config
@@ -250,9 +252,8 @@ def test_site_reseeds_a_ps_that_lost_everything_and_keeps_a_bit_identical_copy(t
     empty = ParameterServer(config(3))  # no state_dir: the PS lost everything
     try:
         assert not empty.logic.initialized
-        with caplog.at_level("INFO", logger="geofed_hpc"):
-            result = SiteTrainer(config(3), 0, empty.address).run()
-        assert "re-seeded at version 2" in caplog.text
+        result = SiteTrainer(config(3), 0, empty.address).run()
+        assert "re-seeded at version 2" in warnings_log.text
         assert result["version"] == 3 and empty.logic.version == 3
     finally:
         empty.stop()
